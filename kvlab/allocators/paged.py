@@ -1,0 +1,119 @@
+"""Paged allocation (PagedAttention, Kwon et al. 2023, arXiv:2309.06180).
+
+Fixed-size blocks taken on demand from a free list; a block table per sequence
+maps logical blocks to physical ones. Blocks carry reference counts so a fork
+(parallel sampling, shared prefixes) shares them; the first write into a shared,
+partly filled block copies it (copy-on-write). Waste is bounded by the empty
+slots of each sequence's last block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvlab.allocators.base import NULL_BLOCK, Allocator, OutOfBlocks
+from kvlab.registry import ALLOCATORS
+
+
+@ALLOCATORS.register("paged")
+@dataclass
+class PagedAllocator(Allocator):
+    """Blocks on demand from a free list, ref-counted, copy-on-write on shared blocks."""
+
+    watermark: float = 0.0  # fraction of blocks kept free when admitting new sequences
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"paged.watermark must be in [0, 1), got {self.watermark}")
+
+    def _reset(self) -> None:
+        self.free_blocks: deque[int] = deque(range(self.num_blocks))
+        self.ref_counts = [0] * self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _take(self) -> int:
+        if not self.free_blocks:
+            raise OutOfBlocks("paged pool is out of blocks")
+        block = self.free_blocks.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+    def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
+        reserve = int(self.watermark * self.num_blocks)
+        return self.blocks_for(num_tokens) <= self.num_free_blocks - reserve
+
+    def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if self.blocks_for(num_tokens) > self.num_free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id} needs {self.blocks_for(num_tokens)} blocks")
+        self.tables[seq_id] = [self._take() for _ in range(self.blocks_for(num_tokens))]
+        self.lengths[seq_id] = num_tokens
+
+    def _blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        length, table = self.lengths[seq_id], self.tables[seq_id]
+        needed = self.blocks_for(length + num_new_tokens) - len(table)
+        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+            needed += 1  # copy-on-write of the shared, partly filled last block
+        return max(needed, 0)
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self._blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> None:
+        if not self.can_append(seq_id, num_new_tokens):
+            raise OutOfBlocks(f"no room to append {num_new_tokens} tokens to sequence {seq_id}")
+        table, length = self.tables[seq_id], self.lengths[seq_id]
+        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+            shared = table[-1]
+            table[-1] = self._take()
+            self._release(shared)
+            self.pending_copies.append((shared, table[-1]))
+        while len(table) < self.blocks_for(length + num_new_tokens):
+            table.append(self._take())
+        self.lengths[seq_id] = length + num_new_tokens
+
+    def free(self, seq_id: int) -> None:
+        for block in self.tables.pop(seq_id):
+            if block != NULL_BLOCK:
+                self._release(block)
+        del self.lengths[seq_id]
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = list(self.tables[parent_id])
+        for block in table:
+            if block != NULL_BLOCK:
+                self.ref_counts[block] += 1
+        self.tables[child_id] = table
+        self.lengths[child_id] = self.lengths[parent_id]
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of {self.lengths[seq_id]} tokens to {num_tokens}")
+        table = self.tables[seq_id]
+        while len(table) > self.blocks_for(num_tokens):
+            block = table.pop()
+            if block != NULL_BLOCK:
+                self._release(block)
+        self.lengths[seq_id] = num_tokens
+
+    def release_before(self, seq_id: int, token_index: int) -> int:
+        table = self.tables[seq_id]
+        released = 0
+        for i in range(min(token_index // self.block_size, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
