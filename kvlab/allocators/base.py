@@ -35,7 +35,7 @@ class Allocator(ABC):
     num_blocks: int = field(default=0, init=False, repr=False)
     block_size: int = field(default=0, init=False, repr=False)
 
-    def setup(self, num_blocks: int, block_size: int) -> None:
+    def setup(self, num_blocks: int, block_size: int, max_model_len: int | None = None) -> None:
         """Size the pool; called once by the engine before any request."""
         if num_blocks < 1:
             raise ValueError(f"allocator needs at least one block, got num_blocks={num_blocks}")
@@ -43,6 +43,7 @@ class Allocator(ABC):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
@@ -92,6 +93,10 @@ class Allocator(ABC):
     @abstractmethod
     def num_free_blocks(self) -> int:
         """Blocks not owned by any sequence."""
+
+    def reservation(self, num_tokens: int, max_tokens: int) -> int:
+        """Slots a new sequence takes at admission (on-demand allocators: just `num_tokens`)."""
+        return num_tokens
 
     def external_fragmentation(self, num_tokens: int) -> int:
         """Free slots that a request needing `num_tokens` slots could not use (0 for paging)."""

@@ -63,13 +63,17 @@ class ContiguousAllocator(Allocator):
             self.runs[i - 1] = (prev[0], prev[1] + self.runs[i][1])
             del self.runs[i]
 
+    def reservation(self, num_tokens: int, max_tokens: int) -> int:
+        limit = self.max_model_len if self.reserve == "max_model_len" else max_tokens
+        return max(num_tokens, limit)
+
     def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
-        return self._find(self.blocks_for(max(num_tokens, max_tokens))) is not None
+        return self._find(self.blocks_for(self.reservation(num_tokens, max_tokens))) is not None
 
     def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        n = self.blocks_for(max(num_tokens, max_tokens))
+        n = self.blocks_for(self.reservation(num_tokens, max_tokens))
         start = self._take(n)
         self.reserved[seq_id] = n
         self.tables[seq_id] = list(range(start, start + n))

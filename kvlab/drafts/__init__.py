@@ -1,0 +1,5 @@
+"""Draft models for speculative decoding (registry: kvlab.registry.DRAFTS)."""
+
+from kvlab.drafts.base import DraftModel
+
+__all__ = ["DraftModel"]

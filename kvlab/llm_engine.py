@@ -1,0 +1,225 @@
+"""The engine: requests in, a step at a time, finished requests out.
+
+    step() = schedule -> run the model once on the packed batch -> sample -> postprocess
+
+Building it sizes the KV pool from the byte budget, splits the model's layers
+into groups that share block tables (full vs sliding-window attention), and
+wires the plugins named in the config (allocator, policy, quantisation format).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab import attention
+from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.engine_config import EngineConfig
+from kvlab.kernels import ops
+from kvlab.kv_cache import KVCache, bytes_per_block
+from kvlab.metrics import Metrics
+from kvlab.model_runner import ModelRunner
+from kvlab.models import LoadedModel, load_model
+from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
+from kvlab.sampler import sample
+from kvlab.sampling_params import SamplingParams
+from kvlab.scheduler import Scheduler
+from kvlab.sequence import Sequence, SequenceStatus
+
+
+def layer_groups(config) -> list[LayerGroup]:
+    """Full-attention layers in one group, sliding-window layers in another (Gemma 2/3, Mistral)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+    full = tuple(i for i, t in enumerate(types) if t != "sliding_attention" or not window)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention" and window)
+    groups = [LayerGroup(full)] if full else []
+    if sliding:
+        groups.append(LayerGroup(sliding, sliding_window=int(window)))
+    return groups
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        load_plugins()
+        self.config = config
+        # resolve every plugin before the (slow) model load so bad names fail at once
+        self.allocator_cls = ALLOCATORS.get(config.allocator)
+        ALLOCATORS.build(config.allocator, **config.allocator_args)
+        self.policy = POLICIES.build(config.policy, **config.policy_args)
+        self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        if config.draft is not None:
+            raise NotImplementedError(
+                f"draft {config.draft!r}: speculative decoding is not in the engine yet (see ROADMAP.md)"
+            )
+        ops.set_backend(config.kernel_backend)
+        dtype = getattr(torch, config.dtype)
+        impl = attention.register()
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, attn_implementation=impl, seed=config.seed)
+        else:
+            loaded.model.set_attn_implementation(impl)
+        self.model = loaded.model.to(config.device)
+        self.tokenizer = loaded.tokenizer
+        mc = self.model.config
+        self.model_config = mc
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
+        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+        groups = layer_groups(mc)
+        num_kv_heads = mc.num_key_value_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
+        num_blocks = int(config.kv_cache_memory // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
+                f"tokens ({per_block:.0f} bytes across {mc.num_hidden_layers} layers); raise kv_cache_memory"
+            )
+        self.block_manager = BlockManager(
+            groups, lambda: ALLOCATORS.build(config.allocator, **config.allocator_args), num_blocks,
+            config.block_size, self.max_model_len,
+        )
+        self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
+                             config.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
+        self.metrics = self._new_metrics()
+        self._next_id = 0
+        self._generators: dict[int, torch.Generator] = {}
+        self._return_dists: set[int] = set()
+
+    def _new_metrics(self) -> Metrics:
+        bm = self.block_manager
+        return Metrics(pool_slots=bm.num_blocks * bm.block_size, num_blocks=bm.num_blocks)
+
+    # -- requests ------------------------------------------------------------
+    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
+                      score_from: int | None = None) -> Sequence:
+        """Validate a request and build its sequence, without queueing it."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        prompt_len = len(ids) if score_from is None else score_from
+        if len(ids) > self.max_model_len or (score_from is None and prompt_len >= self.max_model_len):
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
+                f"(it must leave room for at least one new token)"
+            )
+        max_len = len(ids) if score_from is not None else min(prompt_len + params.max_tokens, self.max_model_len)
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(seq_id, ids, params, max_len,
+                       time.perf_counter() if arrival_time is None else arrival_time, score_from)
+        error = self.block_manager.capacity_error(seq)
+        if error:
+            raise ValueError(error)
+        return seq
+
+    def add_sequence(self, seq: Sequence, return_dists: bool = False) -> int:
+        if not seq.params.greedy:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(seq.params.seed if seq.params.seed is not None else self.config.seed * 1_000_003 + seq.seq_id)
+            self._generators[seq.seq_id] = g
+        if return_dists:
+            self._return_dists.add(seq.seq_id)
+        self.metrics.begin()
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        """Queue a generation request; raises ValueError (naming the problem) if it can never run."""
+        return self.add_sequence(self.make_sequence(prompt_token_ids, params or SamplingParams(), arrival_time))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
+            return []
+        out = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        self._record_step(batch.num_preempted)
+        finished = self._postprocess(out)
+        for seq in self.scheduler.running:
+            self.block_manager.release_out_of_window(seq)
+        return finished
+
+    def _postprocess(self, out) -> list[Sequence]:
+        now = time.perf_counter()
+        finished: list[Sequence] = []
+        if out.sample_rows:
+            rows = torch.tensor([r for _, r in out.sample_rows])
+            seqs = [s for s, _ in out.sample_rows]
+            tokens = sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
+            for seq, token in zip(seqs, tokens):
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    finished.append(self._finish(seq, reason, now))
+        for seq, rows, targets in out.score_rows:
+            logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
+            seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
+            if seq.seq_id in self._return_dists:
+                seq.dists.extend(logp)
+            if seq.num_computed_tokens == seq.num_tokens:
+                finished.append(self._finish(seq, "scored", now))
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> Sequence:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+        self._generators.pop(seq.seq_id, None)
+        self._return_dists.discard(seq.seq_id)
+        n_out = seq.num_output_tokens if not seq.is_scoring else 0
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        tpot = (now - seq.first_token_time) / (n_out - 1) if n_out > 1 else None
+        self.metrics.record_finish(seq.seq_id, seq.num_tokens, seq.num_prompt_tokens, n_out, ttft, tpot)
+        return seq
+
+    def _record_step(self, num_preempted: int) -> None:
+        bm = self.block_manager
+        primary = bm.primary_allocator
+        running = [(s.seq_id, primary.allocated_slots(s.seq_id), s.num_computed_tokens)
+                   for s in self.scheduler.running]
+        external = 0
+        if self.scheduler.waiting:
+            head = self.scheduler.waiting[0]
+            external = primary.external_fragmentation(primary.reservation(head.num_tokens, head.max_len))
+        self.metrics.record_step(primary.num_used_blocks, running, external, num_preempted)
+
+    # -- metrics -------------------------------------------------------------
+    def stats(self) -> dict:
+        live = {s.seq_id: s.num_tokens for s in self.scheduler.running}
+        return self.metrics.summary(live)
+
+    def reset_stats(self) -> None:
+        self.metrics = self._new_metrics()
+
+    def is_done(self, seq: Sequence) -> bool:
+        return seq.status is SequenceStatus.FINISHED

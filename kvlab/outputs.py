@@ -1,0 +1,24 @@
+"""What the engine hands back for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens
+    text: str | None  # detokenised generation (None without a tokenizer)
+    finish_reason: str  # "stop" (EOS / stop token), "length" (max_tokens / context)
+    ttft_s: float | None  # arrival -> first generated token
+    tpot_s: float | None  # mean time per output token after the first
+    num_preemptions: int = 0
+
+
+@dataclass
+class ScoreOutput:
+    request_id: int
+    logprobs: list[float]  # log p(continuation[i] | context, continuation[:i])
+    dists: list = field(default_factory=list)  # with return_dists: [len(continuation), vocab] log-probs

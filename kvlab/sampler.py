@@ -1,0 +1,41 @@
+"""Next-token sampling for a batch of sequences with their own parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [B, V] float -> one token per row.
+
+    Greedy rows take the argmax; the others are tempered, filtered by top-k and
+    top-p, and drawn with their own generator, so a seeded request samples the
+    same tokens whatever it is batched with.
+    """
+    tokens = logits.argmax(dim=-1)  # [B]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+        probs = _filtered_probs(logits[idx].float() / temps[:, None], [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] (tempered) -> probabilities [R, V] after per-row top-k and top-p."""
+    top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

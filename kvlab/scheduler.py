@@ -1,0 +1,99 @@
+"""Continuous batching: which sequences compute how many tokens this step. Torch-free.
+
+One rule covers prefill, chunked prefill, decode and recompute (vLLM v1): each
+scheduled sequence computes the next `n` of its uncomputed tokens, with the
+step's token budget shared first by running sequences (decodes and unfinished
+prefills, in admission order), then by waiting ones (FCFS). When the pool
+cannot grow a running sequence, the most recently admitted one is preempted:
+its blocks are freed and it goes back to the front of the queue to be
+recomputed later, so no request is lost or corrupted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.block_manager import BlockManager
+from kvlab.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    num_preempted: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.chunk_limit(), budget)
+            if not self._make_room(seq, n, batch):
+                continue  # seq itself was preempted; running[i] is now the next one
+            self.block_manager.append(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            n = min(seq.chunk_limit(), budget)
+            self.block_manager.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the back of `running` until `seq` can grow by `n`; False if `seq` went itself."""
+        while not self.block_manager.can_append(seq, n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

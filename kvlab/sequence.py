@@ -1,0 +1,75 @@
+"""A request's tokens and progress through the engine. Torch-free."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from kvlab.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Prompt plus generated tokens; `num_computed_tokens` of them have KV in the cache.
+
+    A scoring request (`score_from` set) carries its continuation in `token_ids`
+    from the start: the engine prefills up to `score_from`, then computes the rest
+    teacher-forced and records the log-probability of every continuation token.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, max_len: int,
+                 arrival_time: float, score_from: int | None = None):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids) if score_from is None else score_from
+        self.params = params
+        self.max_len = max_len  # prompt + max new tokens, capped by the model's context
+        self.score_from = score_from
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.logprobs: list[float] = []  # scoring: log p of each continuation token
+        self.dists: list = []  # scoring with return_dists: one log-prob vector per continuation token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.score_from is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def chunk_limit(self) -> int:
+        """Tokens that may be computed in one step: a scoring request stops its chunk at `score_from`
+        so that the cache policy sees the whole context before the continuation is scored."""
+        if self.score_from is not None and self.num_computed_tokens < self.score_from:
+            return self.score_from - self.num_computed_tokens
+        return self.num_uncomputed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.name})")

@@ -1,0 +1,20 @@
+"""The full cache: keep every token (the quality reference every policy is measured against)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvlab.registry import POLICIES
+from kvlab.policies.base import Policy
+
+
+@POLICIES.register("full")
+@dataclass
+class Full(Policy):
+    """No eviction."""
+
+    compresses: ClassVar[bool] = False
+
+    def score(self, layer_idx, keys, values, queries, attn_stats):
+        return None
