@@ -1,16 +1,33 @@
 """Backend dispatch: the engine's entry points into the kernels.
 
 `auto` runs Triton on CUDA tensors and the torch reference on CPU tensors;
-`torch` and `triton` force one (Triton on CPU needs TRITON_INTERPRET=1).
+`torch` and `triton` force one (Triton on CPU needs TRITON_INTERPRET=1 set
+before the kernels are first used). The backend comes from
+KVLAB_KERNEL_BACKEND at import, `set_backend(name)`, or `with backend(name):`.
+
+The Triton launchers are imported on first use only, so a CPU-only process
+never imports (or decorates) a Triton kernel.
+
+    plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, block_size, window, device)
+    store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    out = run_paged_attention(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale)
+    out, stats = run_paged_attention(..., return_stats=True, stats_window=32)
+    copy_blocks(k_cache, v_cache, src_blocks, dst_blocks)
+    compact_slots(k_cache, v_cache, src_slots, dst_slots)
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
-from kvlab.kernels.reference.paged_attention import AttentionPlan, plan_paged_attention, run_paged_attention
+from kvlab.kernels.reference import block_ops as _ref_blocks
+from kvlab.kernels.reference import paged_attention as _ref_attn
+from kvlab.kernels.reference.paged_attention import AttentionPlan, plan_paged_attention
 from kvlab.kernels.reference.store_kv import store_kv_ref
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -28,18 +45,113 @@ def get_backend() -> str:
     return _backend
 
 
+@contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Use backend `name` inside the block, then restore the previous one."""
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     if _backend == "auto":
         return t.is_cuda
     return _backend == "triton"
 
 
+def _triton(module: str, name: str):
+    """A Triton launcher, imported on first use (kvlab.kernels.<module>.<name>)."""
+    return getattr(importlib.import_module(f"kvlab.kernels.{module}"), name)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int, < 0 skips
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    fn = _triton("store_kv", "store_kv") if use_triton(k_cache) else store_kv_ref
+    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def run_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    return_stats: bool = False,
+    stats_window: int | None = None,
+    out: torch.Tensor | None = None,
+    stats_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hq, D] output, or (output, stats [B, Hkv, max seq_len]) with `return_stats`."""
+    fn = _triton("paged_attention", "run_paged_attention") if use_triton(q) else _ref_attn.run_paged_attention
+    return fn(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
+              return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int
+    seq_lens: torch.Tensor,  # [B] int
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    **kwargs,  # tree_mask, return_stats, stats_window, out, stats_out
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plan and run in one call (tests, one-off use); the engine plans once per step instead."""
+    fn = _triton("paged_attention", "paged_attention") if use_triton(q) else _ref_attn.paged_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap,
+              k_scale, v_scale, **kwargs)
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    src_blocks: torch.Tensor,  # [N] int
+    dst_blocks: torch.Tensor,  # [N] int
+) -> None:
+    fn = _triton("block_ops", "copy_blocks") if use_triton(k_cache) else _ref_blocks.copy_blocks_ref
+    fn(k_cache, v_cache, src_blocks, dst_blocks)
+
+
+def compact_slots(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,  # [N] int
+    dst_slots: torch.Tensor,  # [N] int, may overlap src_slots
+) -> None:
+    fn = _triton("block_ops", "compact_slots") if use_triton(k_cache) else _ref_blocks.compact_slots_ref
+    fn(k_cache, v_cache, src_slots, dst_slots)
+
+
 __all__ = [
     "AttentionPlan",
     "plan_paged_attention",
     "run_paged_attention",
+    "paged_attention",
+    "store_kv",
     "store_kv_ref",
+    "copy_blocks",
+    "compact_slots",
     "set_backend",
     "get_backend",
+    "backend",
     "use_triton",
 ]

@@ -1,0 +1,36 @@
+"""Shared fixtures: models load once per session (the converted-model cache makes that fast)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+_models: dict = {}
+
+
+def _load(name: str):
+    from kvlab.models import load_model
+
+    if name not in _models:
+        try:
+            _models[name] = load_model(name)
+        except FileNotFoundError as exc:  # model package not installed
+            pytest.skip(f"{name} is not installed here ({exc}); `make test` installs it")
+    return _models[name]
+
+
+@pytest.fixture(scope="session")
+def load_reference():
+    """load_reference(name) -> LoadedModel with the default (sdpa) attention, shared; deep-copy before changing."""
+    return _load
+
+
+@pytest.fixture
+def fresh_model(load_reference):
+    """fresh_model(name) -> a private copy the engine may re-wire."""
+    return lambda name: copy.deepcopy(load_reference(name))
