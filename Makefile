@@ -1,0 +1,27 @@
+# kvlab: the two commands of the README, plus the heavy tests and the benchmarks.
+# Every target sets up (or refreshes) .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup run test test-heavy bench bench-kernels
+
+setup:
+	@bash scripts/setup_env.sh
+
+run: setup  ## the default experiment: SmolLM2-135M, quality + throughput
+	$(PY) -m kvlab $(ARGS)
+
+test: setup  ## the test suite (under ~15 minutes on 2 CPU cores)
+	$(PY) -m pytest -q $(ARGS)
+
+test-heavy: setup  ## the slow cases (full benchmark smoke runs, large sweeps)
+	$(PY) -m pytest -q -m heavy $(ARGS)
+
+bench: setup  ## throughput vs Hugging Face generate / generate_batch on the Azure trace
+	$(PY) experiments/bench_throughput.py $(ARGS)
+
+bench-kernels: setup  ## kernel checks and timings (needs a CUDA GPU for the timings)
+	$(PY) -m kvlab.kernels.bench $(ARGS)
