@@ -1,16 +1,29 @@
 """Reference paged attention over ragged batches (prefill, extend and decode alike).
 
+PagedAttention (Kwon et al., arXiv:2309.06180): keys and values live in fixed-size
+blocks of a shared pool, read through a per-sequence block table.
+
 Every query token of sequence b sits at cache index `seq_lens[b] - q_len[b] + i`
 and attends causally to the cache indices before and at it (and, with a sliding
 window W, only to the last W of those). Keys and values are read through the
 block table: cache index j of sequence b lives in slot
 `block_tables[b][j // block_size] * block_size + j % block_size`.
 
+An optional tree mask restricts the step's new tokens further (SpecInfer token-tree
+verification, arXiv:2305.09781): `tree_mask[t, j]` says whether query token t of
+sequence b may see the j-th new token of b (cache index `seq_lens[b] - q_len[b] + j`).
+Tokens cached before the step are always visible; the causal rule still applies,
+so a tree must be laid out in topological order (ancestors first).
+
 The work is split in two steps so the engine can plan once per step and reuse
 the plan in every layer (flashinfer's plan()/run()):
 
     plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, block_size, window)
     out  = run_paged_attention(q, k_cache, v_cache, plan, scale, softcap)
+
+The plan only records the batch layout; each backend derives what it needs on
+first use and caches it in the plan (`plan.parts` here, device index tensors
+for the Triton launcher), so all layers share that work.
 
 `paged_attention_ref` does both, with the same signature as the Triton launcher.
 Sequences are grouped into decode rows (one query) and extend rows (several);
@@ -21,6 +34,8 @@ a long prefill with many decodes does not pad every decode to the prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +53,8 @@ class _Part:
     mask: torch.Tensor  # [B, 1, Qmax, NBmax * block_size] bool, True = attend
     key_index: torch.Tensor  # [B, NBmax * block_size] cache index of every gathered key (-1 pads)
     seq_rows: list[int] = field(default_factory=list)  # which batch rows are in this part
+    q_local: torch.Tensor | None = None  # [B, Qmax] index of each query within its sequence's chunk (-1 pads)
+    q_lens: torch.Tensor | None = None  # [B] query-chunk length of each row
 
 
 @dataclass
@@ -46,29 +63,78 @@ class AttentionPlan:
 
     num_tokens: int
     block_size: int
-    parts: list[_Part]
+    cu_seqlens_q: list[int] = field(default_factory=list)  # [B + 1]
+    seq_lens: list[int] = field(default_factory=list)  # [B]
+    block_tables: list[list[int]] | torch.Tensor = field(default_factory=list)  # [B][n_blocks]
+    sliding_window: int | None = None
+    tree_mask: torch.Tensor | None = None  # [T, >= max q_len] bool on `device`
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)  # backend-derived data, built once
+
+    @property
+    def q_lens(self) -> list[int]:
+        cu = self.cu_seqlens_q
+        return [cu[b + 1] - cu[b] for b in range(len(self.seq_lens))]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @cached_property
+    def parts(self) -> list[_Part]:
+        """Padded decode / extend groups for the torch path (built on first use)."""
+        tables = self.block_tables
+        if isinstance(tables, torch.Tensor):
+            tables = tables.tolist()
+        tree = None if self.tree_mask is None else self.tree_mask.bool().cpu()
+        q_lens = self.q_lens
+        decode = [b for b, n in enumerate(q_lens) if n == 1]
+        extend = [b for b, n in enumerate(q_lens) if n > 1]
+        return [
+            _plan_part(rows, self.cu_seqlens_q, q_lens, self.seq_lens, tables, self.block_size,
+                       self.sliding_window, tree, self.device)
+            for rows in (decode, extend)
+            if rows
+        ]
 
 
 def plan_paged_attention(
     cu_seqlens_q: list[int],  # [B + 1] cumulative query lengths of the packed batch
     seq_lens: list[int],  # [B] cache length of each sequence after this step's tokens
-    block_tables: list[list[int]],  # [B][n_blocks] physical block ids (-1 = released)
+    block_tables: list[list[int]] | torch.Tensor,  # [B][n_blocks] physical block ids (-1 = released)
     block_size: int,
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
+    tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool: query t sees new token j of its sequence
 ) -> AttentionPlan:
-    q_lens = [cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in range(len(seq_lens))]
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    extend = [b for b, n in enumerate(q_lens) if n > 1]
-    parts = [
-        _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, sliding_window, device)
-        for rows in (decode, extend)
-        if rows
-    ]
-    return AttentionPlan(num_tokens=cu_seqlens_q[-1], block_size=block_size, parts=parts)
+    cu_seqlens_q = [int(x) for x in cu_seqlens_q]
+    seq_lens = [int(x) for x in seq_lens]
+    if len(cu_seqlens_q) != len(seq_lens) + 1:
+        raise ValueError(f"cu_seqlens_q has {len(cu_seqlens_q)} entries; expected len(seq_lens) + 1 = {len(seq_lens) + 1}")
+    for b, n in enumerate(seq_lens):
+        q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+        if q_len < 0 or q_len > n:
+            raise ValueError(f"sequence {b}: query length {q_len} must be in [0, seq_len={n}]")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    device = torch.device(device)
+    if tree_mask is not None:
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != cu_seqlens_q[-1]:
+            raise ValueError(f"tree_mask must be [T={cu_seqlens_q[-1]}, >= max q_len], got {tuple(tree_mask.shape)}")
+        tree_mask = tree_mask.to(device)
+    return AttentionPlan(
+        num_tokens=cu_seqlens_q[-1],
+        block_size=block_size,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sliding_window=sliding_window,
+        tree_mask=tree_mask,
+        device=device,
+    )
 
 
-def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, window, device) -> _Part:
+def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, window, tree, device) -> _Part:
     bs = block_size
     q_max = max(q_lens[b] for b in rows)
     # first block any query of the row can see (sliding window drops the older ones)
@@ -81,6 +147,7 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
     key_index = torch.full((len(rows), nb_max * bs), -1, dtype=torch.int64)
     q_index = torch.zeros(len(rows), q_max, dtype=torch.int64)
     q_pos = torch.full((len(rows), q_max), -1, dtype=torch.int64)
+    q_local = torch.full((len(rows), q_max), -1, dtype=torch.int64)
     for r, (b, f) in enumerate(zip(rows, first)):
         n_blk = -(-seq_lens[b] // bs) - f
         table = block_tables[b][f : f + n_blk]
@@ -88,11 +155,18 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
         key_index[r, : seq_lens[b] - f * bs] = torch.arange(f * bs, seq_lens[b])
         q_index[r, : q_lens[b]] = torch.arange(cu_seqlens_q[b], cu_seqlens_q[b + 1])
         q_pos[r, : q_lens[b]] = torch.arange(seq_lens[b] - q_lens[b], seq_lens[b])
+        q_local[r, : q_lens[b]] = torch.arange(q_lens[b])
     qp = q_pos[:, :, None]  # [B, Qmax, 1]
     kp = key_index[:, None, :]  # [B, 1, L]
     mask = (kp >= 0) & (kp <= qp)
     if window is not None:
         mask &= qp - kp < window
+    if tree is not None:
+        for r, (b, f) in enumerate(zip(rows, first)):
+            n, start = q_lens[b], seq_lens[b] - q_lens[b]  # new tokens sit at cache index start..start+n-1
+            c0 = start - f * bs  # their column in this row's gathered keys
+            tm = tree[cu_seqlens_q[b] : cu_seqlens_q[b + 1], :n]  # [n, n]
+            mask[r, :n, c0 : c0 + n] &= tm
     q_valid = q_pos >= 0
     mask[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
     return _Part(
@@ -102,6 +176,8 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
         mask=mask[:, None].to(device),
         key_index=key_index.to(device),
         seq_rows=list(rows),
+        q_local=q_local.to(device),
+        q_lens=torch.tensor([q_lens[b] for b in rows], dtype=torch.int64, device=device),
     )
 
 
@@ -114,10 +190,18 @@ def run_paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] dequantisation scales (quantised caches)
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:  # [T, Hq, D]
+    *,
+    return_stats: bool = False,
+    stats_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D] written in place when given
+    stats_out: torch.Tensor | None = None,  # [B, Hkv, max(seq_lens)] float32
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [T, Hq, D]; with `return_stats`, also the attention statistics
+    (see kvlab.kernels.reference.attention_stats) as (out, stats)."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    out = q.new_empty(T, Hq, D)
+    if out is None:
+        out = q.new_empty(T, Hq, D)
     for part in plan.parts:
         B, Qmax = part.q_index.shape
         L = part.blocks.shape[1] * plan.block_size
@@ -129,8 +213,25 @@ def run_paged_attention(
         else:
             o = _attention_softcap(qp, k, v, part.mask, scale, softcap)
         o = o.transpose(1, 2)  # [B, Qmax, Hq, D]
-        out[part.q_index[part.q_valid]] = o[part.q_valid]
-    return out
+        out[part.q_index[part.q_valid]] = o[part.q_valid].to(out.dtype)
+    if not return_stats:
+        return out
+    from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
+
+    stats = attention_stats_from_plan(q, k_cache, plan, scale, softcap, k_scale, stats_window, out=stats_out)
+    return out, stats
+
+
+def attention_logits(q, k, mask, scale, softcap):
+    """Masked logits [B, Hkv, g, Qmax, L] in float32 (soft-capped when asked) for q [B, Hq, Qmax, D], k [B, Hkv, L, D]."""
+    B, Hq, Qmax, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    qg = q.float().reshape(B, Hkv, g * Qmax, D)
+    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hkv, g*Qmax, L]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    return s.view(B, Hkv, g, Qmax, -1).masked_fill(~mask[:, :, None], float("-inf"))
 
 
 def _attention_softcap(q, k, v, mask, scale, softcap):
@@ -138,12 +239,9 @@ def _attention_softcap(q, k, v, mask, scale, softcap):
     B, Hq, Qmax, D = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
-    qg = q.view(B, Hkv, g * Qmax, D)
-    s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, g*Qmax, L]
-    s = softcap * torch.tanh(s / softcap)
-    s = s.view(B, Hkv, g, Qmax, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    s = attention_logits(q, k, mask, scale, softcap)
     p = torch.softmax(s, dim=-1).view(B, Hkv, g * Qmax, -1)
-    return torch.matmul(p, v).view(B, Hq, Qmax, D)
+    return torch.matmul(p, v.float()).view(B, Hq, Qmax, D).to(q.dtype)
 
 
 def paged_attention_ref(
@@ -158,7 +256,13 @@ def paged_attention_ref(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool
+    return_stats: bool = False,
+    stats_window: int | None = None,
+    out: torch.Tensor | None = None,
+    stats_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plan and run in one call; same signature as the Triton launcher."""
     plan = plan_paged_attention(
         cu_seqlens_q.tolist(),
@@ -167,5 +271,9 @@ def paged_attention_ref(
         k_cache.shape[1],
         sliding_window,
         q.device,
+        tree_mask=tree_mask,
     )
-    return run_paged_attention(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale)
+    return run_paged_attention(
+        q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
+        return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out,
+    )

@@ -1,4 +1,4 @@
-"""Reference: write new keys/values into the paged pool through a slot mapping."""
+"""Reference: write new keys/values into the paged pool (PagedAttention, arXiv:2309.06180) through a slot mapping."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def store_kv_ref(
 
 
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, Hkv, D] -> storage dtype; with a per-head scale, stored = clamp(x / scale)."""
+    """x [T, Hkv, D] -> storage dtype; with a per-head scale, stored = clamp(x / scale) to the storage range."""
     if scale is None:
         return x.to(dtype)
     y = x.float() / scale.float().view(1, -1, 1)
-    if dtype.is_floating_point and dtype.itemsize == 1:
+    if dtype.is_floating_point:
         finfo = torch.finfo(dtype)
         y = y.clamp(finfo.min, finfo.max)
     return y.to(dtype)

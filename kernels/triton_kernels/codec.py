@@ -1,0 +1,63 @@
+"""Cache codecs: how a storage format is written (quantise) and read (dequantise) inside kernels.
+
+A codec is a `tl.constexpr` id chosen by the launcher from the pool's storage
+dtype and whether scales are given (kvlab.kernels._checks.codec_for); each
+kernel calls `encode`/`decode`, so a new format adds one branch here and one
+case in `codec_for`, and every kernel picks it up. Scales are per KV head:
+stored = x / scale, read = stored * scale.
+
+CAST   plain dtype conversion (fp32 / bf16 / fp16 storage, no scale).
+SCALED float storage with a scale, clamped to the storage range (fp8 e4m3 / e5m2).
+
+Narrow float stores are rounded to the storage grid (nearest, ties to even) in
+float32 first, so the final cast is exact: the same bits on every GPU and under
+Triton's interpreter, whose own narrowing casts truncate (bf16) or lose the
+carry into the exponent (fp8), as of triton 3.x.
+"""
+
+import triton
+import triton.language as tl
+
+CAST = tl.constexpr(0)
+SCALED = tl.constexpr(1)
+
+
+@triton.jit
+def round_to_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """float32 y -> nearest value (ties to even) with MANT_BITS mantissa bits and exponent >= MIN_EXP."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # unbiased exponent, subnormal range clamped
+    ulp = ((e - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MANT_BITS)
+    inv_ulp = ((MANT_BITS - e + 127) << 23).to(tl.float32, bitcast=True)  # 2^(MANT_BITS - e), no division
+    m = y * inv_ulp  # exact (power-of-two scaling), |m| < 2^(MANT_BITS + 1)
+    m = (m + 12582912.0) - 12582912.0  # + 1.5 * 2^23: rounds to an integer, ties to even
+    return m * ulp
+
+
+@triton.jit
+def encode(
+    x,
+    scale,
+    CODEC: tl.constexpr,
+    STORE_MAX: tl.constexpr,  # largest finite storage value (SCALED clamp)
+    MANT_BITS: tl.constexpr,  # storage mantissa bits (>= 23: no rounding step)
+    MIN_EXP: tl.constexpr,  # smallest storage exponent of the rounding grid
+    out_dtype: tl.constexpr,
+):
+    """x (any float tile) -> storage tile; `scale` broadcasts against x (per-head)."""
+    y = x.to(tl.float32)
+    if CODEC == 1:
+        y = y / scale
+        y = tl.minimum(tl.maximum(y, -STORE_MAX), STORE_MAX)
+    if MANT_BITS < 23:
+        y = round_to_grid(y, MANT_BITS, MIN_EXP)
+    return y.to(out_dtype)
+
+
+@triton.jit
+def decode(x, scale, CODEC: tl.constexpr, out_dtype: tl.constexpr):
+    """storage tile -> compute tile in `out_dtype`."""
+    if CODEC == 1:
+        return (x.to(tl.float32) * scale).to(out_dtype)
+    else:
+        return x.to(out_dtype)
