@@ -1,0 +1,235 @@
+"""Run one experiment from a composed config: check it, build the LLM, run the task and workload, log.
+
+    run_experiment(cfg, run_dir)   # cfg: a composed kvlab config (DictConfig or dict)
+
+1. `kvlab.config.validate` checks the config (no model is loaded before it passes);
+2. in a sweep, a job whose finished record (same config hash) already exists is skipped;
+3. the local record (kvlab.loggers.local) and W&B (if configured) are opened, with the
+   resolved config and the run's metadata (git commit, seed, package versions);
+4. the LLM is built, the task then the workload run, their metrics / tables / figures are logged;
+5. the loggers are always finished ("finished" or "failed"), and a results table is printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import random
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kvlab.config import ConfigError, import_target, validate
+from kvlab.loggers import LocalLogger, Loggers
+from kvlab.loggers.local import RECORD
+from kvlab.tasks.base import Result, RunContext
+from kvlab.tasks.data import REPO_ROOT, resolve_data_dir
+
+log = logging.getLogger("kvlab")
+
+PACKAGES = ("kvlab", "torch", "transformers", "triton", "hydra-core", "omegaconf", "datasets", "wandb",
+            "numpy", "pandas", "pyarrow")
+NOT_HASHED = ("logger", "progress", "skip_existing", "fail_fast")  # do not change what a run computes
+
+
+def config_hash(config: dict) -> str:
+    """Hash of what determines a run's results (the resolved config less logging options)."""
+    key = {k: v for k, v in config.items() if k not in NOT_HASHED}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def git_state(root: Path = REPO_ROOT) -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    return {"git_commit": commit or None, "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))
+            if commit else None}
+
+
+def run_meta(config: dict) -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {**git_state(), "seed": config.get("seed"), "config_hash": config_hash(config), "versions": versions,
+            "python": platform.python_version(), "host": platform.node(), "argv": list(sys.argv),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def llm_kwargs(config: dict) -> dict:
+    """Keyword arguments of kvlab.LLM from a validated config."""
+    engine = dict(config["engine"])
+    plugin = {}
+    for kind in ("policy", "quant", "draft"):
+        params = dict(config[kind])
+        name = params.pop("name")
+        plugin[kind] = None if kind == "draft" and name == "none" else name
+        plugin[f"{kind}_args"] = params or None
+    return dict(model=config["model"]["name"], dtype=config["model"]["dtype"], seed=config["seed"],
+                block_size=engine["block_size"], allocator=engine["allocator"],
+                allocator_args=engine["allocator_args"] or None, kv_cache_memory=engine["kv_cache_memory"],
+                max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+                max_model_len=engine["max_model_len"], kernel_backend=engine["kernel_backend"], **plugin)
+
+
+def reference_kwargs(kwargs: dict) -> dict:
+    """The full-cache reference: same model and engine, policy full, model-dtype cache, no draft."""
+    return {**kwargs, "policy": "full", "policy_args": None, "quant": "auto", "quant_args": None,
+            "draft": None, "draft_args": None}
+
+
+def find_finished(sweep_dir: Path, digest: str) -> Path | None:
+    """A run folder under `sweep_dir` whose record finished with config hash `digest`."""
+    for record in sorted(Path(sweep_dir).rglob(RECORD)):
+        events = read_record(record)
+        start, finish = events.get("start", {}), events.get("finish", {})
+        if finish.get("status") == "finished" and start.get("meta", {}).get("config_hash") == digest:
+            return record.parent
+    return None
+
+
+def read_record(path: Path) -> dict[str, dict]:
+    """{event: last record of that event} of a run.jsonl (metrics events merged)."""
+    events: dict[str, dict] = {}
+    metrics: dict = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if event.get("event") == "metrics":
+                metrics.update(event.get("metrics") or {})
+            events[event.get("event")] = event
+    events["metrics"] = {"metrics": metrics}
+    return events
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_llm(kwargs: dict):
+    from kvlab import LLM
+
+    return LLM(**kwargs)
+
+
+def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None = None,
+                   job_name: str | None = None) -> dict:
+    """Run one experiment; returns its summary metrics ({} when skipped). Raises on failure (after logging it)."""
+    run_dir = Path(run_dir)
+    try:
+        config = validate(cfg)
+    except ConfigError as exc:
+        record_config_error(cfg, run_dir, job_name, exc)
+        raise
+    digest = config_hash(config)
+    if config["skip_existing"] and sweep_dir is not None:
+        done = find_finished(Path(sweep_dir), digest)
+        if done is not None:
+            log.info("skipped: a finished run with the same config (%s) exists in %s", digest, done)
+            print(f"[kvlab] skipped {job_name or config['name']}: results exist in {done}")
+            return {}
+    name = f"{config['name']}/{job_name}" if job_name else config["name"]
+    loggers = Loggers([LocalLogger()] + ([import_target(config["logger"]["_target_"], "logger._target_")(
+        **{k: v for k, v in config["logger"].items() if k != "_target_"})] if config["logger"] else []))
+    loggers.start(run_dir, name, config, run_meta(config))
+    summary: dict[str, float] = {}
+    try:
+        summary = execute(config, loggers)
+    except BaseException as exc:
+        loggers.finish("failed", summary, error="".join(traceback.format_exception(exc)))
+        raise
+    loggers.finish("finished", summary)
+    print_results(name, summary)
+    return summary
+
+
+def execute(config: dict, loggers: Loggers) -> dict:
+    """Build the LLM, run the task and the workload, log what they return; the summary metrics."""
+    seed_everything(config["seed"])
+    t0 = time.perf_counter()
+    kwargs = llm_kwargs(config)
+    llm = build_llm(kwargs)
+    summary: dict[str, float] = {"run/load_s": time.perf_counter() - t0}
+    reference_llm: list = []
+
+    def reference():
+        if not reference_llm:
+            same = reference_kwargs(kwargs) == kwargs
+            reference_llm.append(llm if same else build_llm(reference_kwargs(kwargs)))
+        return reference_llm[0]
+
+    ctx = RunContext(resolve_data_dir(config["data_dir"]), config["seed"], config["progress"], reference)
+    for section in ("task", "workload"):
+        node = config[section]
+        if node is None:
+            continue
+        params = {k: v for k, v in node.items() if k != "_target_"}
+        t = time.perf_counter()
+        result: Result = import_target(node["_target_"], f"{section}._target_")(**params).run(llm, ctx)
+        result.metrics[f"run/{section}_s"] = time.perf_counter() - t
+        log_result(loggers, result)
+        summary.update(result.metrics)
+    summary["run/elapsed_s"] = time.perf_counter() - t0
+    loggers.log_metrics({"run/elapsed_s": summary["run/elapsed_s"], "run/load_s": summary["run/load_s"]})
+    return summary
+
+
+def log_result(loggers: Loggers, result: Result) -> None:
+    loggers.log_metrics(result.metrics)
+    for name, table in result.tables.items():
+        loggers.log_table(name, table)
+    for name, figure in result.figures.items():
+        loggers.log_figure(name, figure)
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+
+
+def record_config_error(cfg: Any, run_dir: Path, job_name: str | None, exc: Exception) -> None:
+    """A config that fails validation still leaves a (failed) local record."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = cfg
+    if isinstance(cfg, DictConfig):
+        try:
+            raw = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:
+            raw = OmegaConf.to_container(cfg, resolve=False)
+    local = LocalLogger()
+    try:
+        local.start(run_dir, job_name or str(raw.get("name", "run")), raw, {"config_hash": None})
+        local.finish("failed", {}, error=f"config error: {exc}")
+    except Exception as log_exc:  # never hide the config error behind a logging one
+        log.warning("could not write the failed record in %s: %s", run_dir, log_exc)
+
+
+def print_results(name: str, summary: dict) -> None:
+    """The run's metrics as a two-column table on stdout."""
+    rows = [(k, v) for k, v in summary.items() if isinstance(v, (int, float))]
+    width = max((len(k) for k, _ in rows), default=10)
+    lines = [f"== {name} ==", f"{'metric':<{width}}  value", f"{'-' * width}  {'-' * 12}"]
+    for key, value in rows:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"{key:<{width}}  {text}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,79 @@
+"""Drive the engine with requests that arrive over time, and report serving metrics.
+
+`replay` adds each request to `llm.engine` when its arrival time comes (or all
+at once with arrival="asap"), steps the engine until everything has finished,
+and returns the engine's statistics (throughput, TTFT, TPOT, KV usage and
+waste, preemptions) plus one row per request. A `follow_up` callback may add
+requests when one finishes (the next turn of a conversation).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from kvlab.tasks.base import Result
+from kvlab.tasks.progress import progress_bar
+
+
+@dataclass
+class Request:
+    """One request of a workload."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0          # seconds after the start of the replay
+    tag: str = ""                   # e.g. "conv3/turn1"
+
+
+FollowUp = Callable[[Request, object, float], list[Request]]
+
+
+def replay(llm, requests: list[Request], arrival: Literal["asap", "real"] = "asap", speedup: float = 1.0,
+           follow_up: FollowUp | None = None, progress: bool = False, prefix: str = "workload") -> Result:
+    """Run `requests` through `llm.engine`; metrics are `<prefix>/<llm.stats() key>`."""
+    import pandas as pd
+
+    from kvlab import SamplingParams
+
+    engine = llm.engine
+    order = itertools.count()
+    pending = [(r.arrival_s if arrival == "real" else 0.0, next(order), r) for r in requests]
+    heapq.heapify(pending)
+    live: dict = {}  # engine request id -> (Request, arrival offset)
+    rows = []
+    llm.reset_stats()
+    start = time.perf_counter()
+    with progress_bar(progress, total=len(requests), desc=prefix) as bar:
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while pending and pending[0][0] / speedup <= now:
+                _, _, req = heapq.heappop(pending)
+                params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+                live[engine.add_request(req.prompt_token_ids, params)] = (req, now)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, min(pending[0][0] / speedup - now, 0.05)))
+                continue
+            for out in map(lambda item: as_output(llm, item), engine.step()):
+                req, added = live.pop(out.request_id)
+                done = time.perf_counter() - start
+                rows.append({"tag": req.tag, "arrival_s": added, "finish_s": done,
+                             "prompt_tokens": len(req.prompt_token_ids), "output_tokens": len(out.token_ids),
+                             "ttft_s": getattr(out, "ttft_s", None), "tpot_s": getattr(out, "tpot_s", None)})
+                bar.update(1)
+                for new in follow_up(req, out, done) if follow_up else ():
+                    heapq.heappush(pending, (new.arrival_s, next(order), new))
+                    bar.total += 1
+    stats = llm.stats()
+    metrics = {f"{prefix}/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return Result(metrics, {f"{prefix}_requests": pd.DataFrame(rows)})
+
+
+def as_output(llm, item):
+    """A RequestOutput from what engine.step() returns (outputs, or the engine's finished sequences)."""
+    if hasattr(item, "request_id"):
+        return item
+    return llm._output(item)  # the engine returned a Sequence: let the LLM convert it as generate() does

@@ -1,0 +1,174 @@
+"""Every config option composes and validates; bad input fails at once, naming the path."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import subprocess
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from kvlab.config import ConfigError, check_target, plugin_fields, validate
+from kvlab.registry import REGISTRIES
+
+from exp_helpers import CONF_DIR, kvlab_cmd, run_env
+
+GROUPS = ("model", "engine", "policy", "draft", "quant", "task", "workload", "logger", "experiment")
+
+
+def group_options(group: str) -> list[str]:
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return GlobalHydra.instance().config_loader().get_group_options(group)
+
+
+def all_options():
+    from kvlab.conf_plugins import register_plugin_configs
+
+    register_plugin_configs()
+    return [(g, o) for g in GROUPS for o in group_options(g)]
+
+
+@pytest.mark.parametrize("group,option", all_options())
+def test_every_option_composes_validates_and_builds(compose, group, option):
+    cfg = compose([f"{group}={option}"])
+    config = validate(cfg)
+    if group in ("task", "workload", "logger") and config[group] is not None:
+        params = {k: v for k, v in config[group].items() if k != "_target_"}
+        module, _, name = config[group]["_target_"].rpartition(".")
+        getattr(importlib.import_module(module), name)(**params)  # cheap: reads no data, opens no run
+    if group in ("policy", "quant") or (group == "draft" and option != "none"):
+        params = {k: v for k, v in config[group].items() if k != "name"}
+        REGISTRIES[group].build(config[group]["name"], **params)
+
+
+def test_default_experiment_composes(compose):
+    config = validate(compose())
+    assert config["model"]["name"] == "smollm2-135m"
+    assert config["task"]["_target_"].endswith("Perplexity") and config["workload"]["_target_"].endswith("AzureReplay")
+    assert config["logger"]["mode"] == "offline"
+
+
+def test_every_registered_plugin_is_a_group_option():
+    for kind in ("policy", "draft", "quant"):
+        assert set(REGISTRIES[kind].names()) <= set(group_options(kind)), kind
+
+
+@pytest.mark.parametrize("group", ["policy", "draft", "quant"])
+def test_plugin_yaml_lists_every_parameter(group):
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        node = yaml.safe_load(path.read_text())
+        if group == "draft" and node["name"] == "none":
+            continue
+        fields = set(plugin_fields(REGISTRIES[group].get(node["name"])))
+        assert set(node) - {"name"} == fields, f"{path} must list exactly the parameters {sorted(fields)}"
+
+
+def test_yaml_parameters_are_commented():
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        for line in path.read_text().splitlines():
+            if ":" in line and not line.lstrip().startswith(("#", "-")) and not line.rstrip().endswith(":"):
+                assert "#" in line, f"{path.relative_to(CONF_DIR)}: uncommented parameter line {line!r}"
+
+
+def test_target_yaml_lists_every_field():
+    for group in ("task", "workload", "logger"):
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            node = yaml.safe_load(path.read_text())
+            if node.get("_target_") is None:
+                continue
+            module, _, name = node["_target_"].rpartition(".")
+            cls = getattr(importlib.import_module(module), name)
+            assert set(node) - {"_target_"} == set(plugin_fields(cls)), path
+
+
+def test_launchers_compose(compose):
+    for option in ("basic", "joblib", "parallel", "slurm", "ray_cluster", "submitit_local"):
+        cfg = compose([f"hydra/launcher={option}"], hydra=True)
+        target = cfg.hydra.launcher._target_
+        assert target.startswith("hydra"), target
+    slurm = compose(["hydra/launcher=slurm"], hydra=True).hydra.launcher
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+    SlurmLauncher(**{k: v for k, v in slurm.items() if k != "_target_"})  # builds; submits nothing
+    ray = compose(["hydra/launcher=ray_cluster"], hydra=True).hydra.launcher
+    assert ray._target_ == "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher" and "init" in ray.ray
+
+
+def test_experiments_define_sweeps(compose):
+    for option in group_options("experiment"):
+        cfg = compose([f"experiment={option}"], hydra=True)
+        assert cfg.hydra.sweeper.params, f"experiment {option} has no sweep"
+        assert cfg.name == option
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_unknown_group_option_lists_valid_ones(compose):
+    with pytest.raises(MissingConfigException) as err:
+        compose(["policy=nope"])
+    assert "Available options in 'policy'" in str(err.value) and "full" in str(err.value)
+
+
+def test_unknown_key_is_refused_with_its_path(compose):
+    with pytest.raises(ConfigCompositionException, match="block_sizee"):
+        compose(["engine.block_sizee=8"])
+    with pytest.raises(ConfigError, match=r"^engine\.block_sizee: unknown parameter"):
+        validate(compose(["+engine.block_sizee=8"]))
+    with pytest.raises(ConfigError, match=r"^policy\.budget: unknown parameter of policy 'full'"):
+        validate(compose(["+policy.budget=8"]))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("engine.block_size=big", r"^engine\.block_size: expected int, got str 'big'"),
+    ("engine.block_size=0", r"^engine\.block_size: must be >= 1"),
+    ("engine.kv_cache_memory=lots", r"^engine\.kv_cache_memory: expected a positive number of bytes"),
+    ("engine.allocator=nope", r"^engine\.allocator: unknown allocator 'nope'; registered allocators: .*paged"),
+    ("+engine.allocator_args.watermark=2.0", r"^engine\.allocator_args: allocator 'paged' rejects .*watermark"),
+    ("model.name=no-such-model", r"^model\.name: 'no-such-model' is not a packaged model"),
+    ("model.dtype=float8", r"^model\.dtype: expected one of 'float32'"),
+    ("task.context_lengths=[0]", r"^task: Perplexity rejects its parameters: .*context_lengths"),
+    ("task.num_windows=many", r"^task\.num_windows: expected int"),
+    ("workload.arrival=later", r"^workload\.arrival: expected one of 'asap', 'real'"),
+    ("logger.mode=sometimes", r"^logger\.mode: expected one of"),
+    ("seed=zero", r"^seed: expected int"),
+])
+def test_bad_value_names_its_path(compose, override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose([override]))
+
+
+def test_validation_fills_plugin_defaults(compose):
+    config = validate(compose(["engine.allocator=contiguous"]))
+    assert config["engine"]["allocator_args"] == {"reserve": "max_model_len"}
+
+
+def test_config_error_comes_before_any_model_load(compose, tmp_path, monkeypatch):
+    import kvlab.experiment as experiment
+
+    monkeypatch.setattr(experiment, "build_llm", lambda kwargs: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match="engine.block_size"):
+        experiment.run_experiment(compose(["engine.block_size=big", "logger=none"]), tmp_path)
+    record = experiment.read_record(tmp_path / "run.jsonl")
+    assert record["finish"]["status"] == "failed" and "engine.block_size" in record["finish"]["error"]
+
+
+def test_check_target_disabled_section():
+    assert check_target("task", {"_target_": None}) is None
+    with pytest.raises(ConfigError, match=r"^task\._target_: cannot import"):
+        check_target("task", {"_target_": "kvlab.tasks.nope.Nope"})
+
+
+def test_cli_unknown_option_and_default_compose(tmp_path):
+    bad = subprocess.run(kvlab_cmd("policy=nope"), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "Available options in 'policy'" in bad.stderr and "full" in bad.stderr
+    ok = subprocess.run(kvlab_cmd("--cfg", "job"), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "name: smollm2-135m" in ok.stdout

@@ -1,0 +1,158 @@
+"""Tasks and workloads: data loading, prompt construction, and runs on the real engine (tiny model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from exp_helpers import DATA, needs_data
+
+from kvlab.tasks.agreement import Agreement
+from kvlab.tasks.data import ByteTokenizer, MissingDataError, data_path, default_data_dir, evenly_spaced_windows
+from kvlab.tasks.niah import NeedleInAHaystack, build_prompt
+from kvlab.tasks.perplexity import Perplexity
+from kvlab.workloads.azure import AzureReplay, load_azure_trace
+from kvlab.workloads.synthetic import MultiTurn, SharedPrefix
+
+BYTES = ByteTokenizer(256)
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def test_missing_data_names_path_and_how_to_get_it(tmp_path):
+    with pytest.raises(MissingDataError) as err:
+        data_path("wikitext-2-raw/wiki.test.raw", tmp_path)
+    message = str(err.value)
+    assert str(tmp_path / "wikitext-2-raw" / "wiki.test.raw") in message
+    assert "WikiText-2" in message and "KVLAB_DATA" in message
+    with pytest.raises(MissingDataError, match="Azure"):
+        data_path("azure-llm-trace-2023/AzureLLMInferenceTrace_conv.csv", tmp_path)
+
+
+def test_missing_data_fails_the_task_clearly(tiny_llm, tmp_path):
+    from kvlab.tasks.base import RunContext
+
+    with pytest.raises(MissingDataError, match="paul-graham-essays"):
+        NeedleInAHaystack(context_lengths=[128]).run(tiny_llm, RunContext(data_dir=tmp_path))
+
+
+def test_data_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLAB_DATA", str(tmp_path))
+    assert default_data_dir() == tmp_path
+    (tmp_path / "x.txt").write_text("hello")
+    assert data_path("x.txt") == tmp_path / "x.txt"
+
+
+def test_evenly_spaced_windows():
+    windows = evenly_spaced_windows(list(range(100)), 10, 4)
+    assert [w[0] for w in windows] == [0, 30, 60, 90] and all(len(w) == 10 for w in windows)
+
+
+@needs_data("azure-llm-trace-2023")
+def test_load_azure_trace_scales_and_clips():
+    requests = load_azure_trace("conv", 50, BYTES, max_context=300, max_output=40, scale=0.5, seed=1)
+    assert len(requests) == 50
+    assert requests[0].arrival_s == 0.0
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(requests, requests[1:]))
+    assert all(1 <= len(r.prompt_token_ids) <= 300 and 1 <= r.max_tokens <= 40 for r in requests)
+    assert len(requests[0].prompt_token_ids) == min(300, round(374 * 0.5))  # first conv row: 374 context tokens
+    again = load_azure_trace("conv", 50, BYTES, max_context=300, max_output=40, scale=0.5, seed=1)
+    assert [r.prompt_token_ids for r in again] == [r.prompt_token_ids for r in requests]
+
+
+@needs_data("paul-graham-essays")
+@pytest.mark.parametrize("variant", ["needle", "passkey", "multikey"])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_niah_prompt_has_exact_length_and_the_needle_at_depth(variant, depth):
+    import random
+
+    from kvlab.tasks.data import corpus_tokens
+
+    hay = corpus_tokens("paul-graham-essays", DATA, BYTES)
+    ids, answer = build_prompt(variant, 600, depth, 4, BYTES, hay, random.Random(0))
+    assert len(ids) == 600
+    text = BYTES.decode(ids)
+    assert text.count(answer) == (2 if variant == "passkey" else 1)
+    question = text.rindex("\nWhat is")
+    body_start = text.index("\n") + 1
+    where = (text.index(answer) - body_start) / (question - body_start)
+    if variant != "multikey":  # multikey distractors may sit anywhere, the asked needle still at depth
+        assert abs(where - depth) < 0.2
+
+
+def test_task_parameters_are_checked():
+    with pytest.raises(ValueError, match="variants"):
+        NeedleInAHaystack(variants=["haystack"])
+    with pytest.raises(ValueError, match="depths"):
+        NeedleInAHaystack(depths=[1.5])
+    with pytest.raises(ValueError, match="continuation_length"):
+        Perplexity(continuation_length=0)
+
+
+# -- on the engine (random:llama-tiny) -------------------------------------------------------
+
+
+@needs_data("wikitext-2-raw")
+def test_agreement_of_the_full_cache_with_itself_is_perfect(tiny_llm, ctx):
+    result = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=6).run(tiny_llm, ctx)
+    assert result.metrics["agreement/greedy_match"] == 1.0
+    assert result.metrics["agreement/top1_match"] == 1.0
+    assert result.metrics["agreement/kl"] == pytest.approx(0.0, abs=1e-9)
+    assert len(result.tables["agreement"]) == 3
+
+
+@needs_data("wikitext-2-raw")
+def test_agreement_sees_a_lower_precision_cache(tiny_llm, ctx):
+    from dataclasses import replace
+
+    from kvlab import LLM
+
+    fp16 = LLM(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0, quant="fp16")
+    result = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=6).run(fp16, replace(ctx, reference=lambda: tiny_llm))
+    assert 0.0 < result.metrics["agreement/kl"] < 1e-2  # fp16 K/V: a tiny but nonzero divergence
+
+
+@needs_data("wikitext-2-raw")
+def test_perplexity_is_finite_per_context_length(tiny_llm, ctx):
+    result = Perplexity(context_lengths=[32, 64], continuation_length=16, num_windows=3, batch_size=2).run(tiny_llm, ctx)
+    table = result.tables["perplexity"]
+    assert list(table["context_length"]) == [32, 64] and list(table["tokens"]) == [48, 48]
+    assert all(math.isfinite(v) and v > 1 for v in table["perplexity"])
+    assert "perplexity_vs_context" in result.figures
+
+
+@needs_data("paul-graham-essays")
+def test_niah_reports_accuracy_per_cell(tiny_llm, ctx):
+    task = NeedleInAHaystack(context_lengths=[448, 496], depths=[0.0, 1.0], num_keys=2, max_new_tokens=4)
+    result = task.run(tiny_llm, ctx)
+    cells = result.tables["niah_cells"]
+    assert len(cells) == 3 * 2 * 2 and cells["accuracy"].between(0, 1).all()
+    assert set(result.metrics) >= {"niah/accuracy", "niah/needle/accuracy", "niah/passkey/accuracy"}
+    assert "niah_heatmap" in result.figures
+
+
+STATS = ("tokens_per_s", "ttft_median_s", "tpot_median_s", "kv_blocks_peak", "waste_internal", "preemptions")
+
+
+@needs_data("azure-llm-trace-2023")
+@pytest.mark.parametrize("arrival", ["asap", "real"])
+def test_azure_replay_reports_serving_metrics(tiny_llm, ctx, arrival):
+    workload = AzureReplay(num_requests=6, scale=0.1, max_context=128, max_output=8, arrival=arrival, speedup=50.0)
+    result = workload.run(tiny_llm, ctx)
+    assert result.metrics["workload/num_requests"] == 6
+    assert all(f"workload/{k}" in result.metrics for k in STATS)
+    assert len(result.tables["workload_requests"]) == 6
+
+
+@needs_data("wikitext-2-raw")
+def test_shared_prefix_and_multi_turn(tiny_llm, ctx):
+    shared = SharedPrefix(num_prefixes=2, prefix_length=32, suffix_length=8, num_requests=4, max_tokens=4)
+    requests = shared.requests(tiny_llm, ctx)
+    assert requests[0].prompt_token_ids[:32] == requests[2].prompt_token_ids[:32]
+    assert shared.run(tiny_llm, ctx).metrics["workload/num_requests"] == 4
+    turns = MultiTurn(num_conversations=2, turns=3, user_length=16, max_tokens=4).run(tiny_llm, ctx)
+    table = turns.tables["workload_requests"]
+    assert len(table) == 6
+    last = table[table["tag"] == "conv0/turn2"].iloc[0]
+    assert last["prompt_tokens"] == 3 * 16 + 2 * 4  # the whole conversation so far + a new message
