@@ -3,4 +3,14 @@
 `kvlab.kernels.ops` is what the engine calls: it picks the Triton path for CUDA
 tensors and the torch reference otherwise (`set_backend("torch"|"triton"|"auto")`
 forces either).
+
+    reference/        torch references (the CPU path): store_kv, paged_attention,
+                      attention_stats, block_ops
+    triton_kernels/   raw @triton.jit kernels, one file per family, and the cache codecs
+    store_kv.py, paged_attention.py, block_ops.py
+                      launchers: validate shapes / strides / dtypes / constants, then launch;
+                      same signatures as the references
+    testing.py        random paged batches and tolerances (tests, bench)
+    bench.py          `python -m kvlab.kernels.bench [--check-only]`
+    compile_check.py  `python -m kvlab.kernels.compile_check`: compile every variant for sm_90 without a GPU
 """

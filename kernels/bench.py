@@ -51,7 +51,7 @@ class Check:
 def _attention_checks(device, tiny: bool) -> list[Check]:
     from kvlab.kernels.paged_attention import paged_attention
     from kvlab.kernels.reference.paged_attention import paged_attention_ref
-    from kvlab.kernels.testing import attention_tolerance, make_paged_batch, max_rel_error
+    from kvlab.kernels.testing import CACHE_DTYPES, attention_tolerance, make_paged_batch, max_rel_error
 
     bs = 16
     if tiny:
@@ -72,8 +72,6 @@ def _attention_checks(device, tiny: bool) -> list[Check]:
         ("stats decode", [1, 1], [bs + 1, long], "bf16", dict(return_stats=True)),
         ("stats extend window", [6, 3], [bs + 6, long], "fp8_e4m3", dict(return_stats=True, stats_window=4, sliding_window=bs)),
     ]
-    from kvlab.kernels.testing import CACHE_DTYPES
-
     checks = []
     for name, q_lens, seq_lens, cache, kw in cases:
         kw = dict(kw)
@@ -182,7 +180,7 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
 def time_decode(ctx, batch, cache, args, copy_bw, device) -> Row:
     from triton.testing import do_bench
 
-    from kvlab.kernels.paged_attention import _launch_config, _tiles, choose_num_splits, run_paged_attention
+    from kvlab.kernels.paged_attention import _launch_config, choose_num_splits, run_paged_attention
     from kvlab.kernels.reference.paged_attention import plan_paged_attention
     from kvlab.kernels.testing import CACHE_DTYPES, FP8
 

@@ -31,14 +31,21 @@ from kvlab.kernels.reference.paged_attention import AttentionPlan, plan_paged_at
 from kvlab.kernels.reference.store_kv import store_kv_ref
 
 _BACKENDS = ("auto", "torch", "triton")
-_backend = os.environ.get("KVLAB_KERNEL_BACKEND", "auto")
+_backend = os.environ.get("KVLAB_KERNEL_BACKEND", "auto")  # checked by set_backend below
+
+
+_ALIASES = {"reference": "torch"}
 
 
 def set_backend(name: str) -> None:
     global _backend
+    name = _ALIASES.get(name, name)
     if name not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(_BACKENDS)}")
     _backend = name
+
+
+set_backend(_backend)
 
 
 def get_backend() -> str:

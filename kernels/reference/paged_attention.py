@@ -118,9 +118,12 @@ def plan_paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     device = torch.device(device)
+    if not isinstance(block_tables, torch.Tensor):  # snapshot: the allocator's lists change after the step
+        block_tables = [list(t) for t in block_tables]
     if tree_mask is not None:
-        if tree_mask.dim() != 2 or tree_mask.shape[0] != cu_seqlens_q[-1]:
-            raise ValueError(f"tree_mask must be [T={cu_seqlens_q[-1]}, >= max q_len], got {tuple(tree_mask.shape)}")
+        max_q = max((cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in range(len(seq_lens))), default=0)
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != cu_seqlens_q[-1] or tree_mask.shape[1] < max_q:
+            raise ValueError(f"tree_mask must be [T={cu_seqlens_q[-1]}, >= {max_q}], got {tuple(tree_mask.shape)}")
         tree_mask = tree_mask.to(device)
     return AttentionPlan(
         num_tokens=cu_seqlens_q[-1],

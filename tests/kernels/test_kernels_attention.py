@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is imported
 
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from kvlab.kernels import ops  # noqa: E402
 from kvlab.kernels.paged_attention import attention_stats, paged_attention  # noqa: E402
@@ -143,3 +145,39 @@ def test_ops_plan_is_reused_across_layers():
                                                    return_stats=True, stats_window=1)
     torch.testing.assert_close(second, want, **attention_tolerance(torch.float32))
     torch.testing.assert_close(stats, want_stats, **attention_tolerance(torch.float32))
+
+
+@st.composite
+def attention_configs(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    B = draw(st.integers(1, 3))
+    q_lens = [draw(st.integers(1, 6)) for _ in range(B)]
+    seq_lens = [q + draw(st.integers(0, 3 * bs + 2)) for q in q_lens]
+    return dict(
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        hkv=draw(st.integers(1, 2)),
+        g=draw(st.sampled_from([1, 2, 3, 4, 5])),
+        d=draw(st.sampled_from([16, 48, 64])),  # 48: head_dim that is not a power of two
+        bs=bs,
+        cache=draw(st.sampled_from(["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"])),
+        window=draw(st.one_of(st.none(), st.integers(1, 20))),
+        softcap=draw(st.one_of(st.none(), st.just(5.0))),
+        num_splits=draw(st.one_of(st.none(), st.integers(1, 4))),
+        tree=draw(st.booleans()),
+        stats_window=draw(st.one_of(st.none(), st.integers(1, 4))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(cfg=attention_configs())
+def test_attention_and_stats_random_batches(cfg):
+    batch = make_paged_batch(cfg["q_lens"], cfg["seq_lens"], cfg["hkv"], cfg["g"], cfg["d"], cfg["bs"],
+                             CACHE_DTYPES[cfg["cache"]], device=DEVICE, sliding_window=cfg["window"],
+                             tree=cfg["tree"], seed=cfg["seed"])
+    (out, stats), (want, want_stats) = run_both(batch, cfg["window"], cfg["softcap"], cfg["num_splits"],
+                                                return_stats=True, stats_window=cfg["stats_window"])
+    tol = attention_tolerance(torch.float32)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(stats, want_stats, **tol)
