@@ -1,0 +1,232 @@
+"""Bad input fails early, names the problem, and leaves the engine as it was.
+
+Uses the tiny random Llama (`random:llama-tiny`: 2 layers, 2 KV heads of 16,
+vocab 256, context 512, no tokenizer, so prompts are token-id lists). One
+block of 16 tokens costs 2 layers x 16 x 2 heads x 16 x 4 bytes x (K, V) = 8 KiB.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvlab.llm_engine
+from kvlab import LLM, SamplingParams
+from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, UnknownPluginError
+
+MODEL = "random:llama-tiny"
+BLOCK_BYTES = 8192  # one 16-token block of llama-tiny, float32
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """64-token context, 16 blocks of 16 tokens."""
+    return LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=16 * BLOCK_BYTES)
+
+
+def params(n: int = 3) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def assert_idle(llm):
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.primary_allocator.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+# -- prompts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [64, 100])
+def test_prompt_longer_than_the_context(llm, length):
+    with pytest.raises(ValueError, match=rf"prompt 0: prompt of {length} tokens does not fit the model's "
+                                         r"context of 64 tokens \(it must leave room for at least one new token\)"):
+        llm.generate([[5] * length], params())
+    assert_idle(llm)
+
+
+def test_max_tokens_past_the_context_is_clipped_not_an_error(llm):
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and out[0].finish_reason == "length"
+
+
+def test_max_model_len_is_capped_by_the_models_context():
+    big = LLM(MODEL, max_model_len=10_000, kv_cache_memory=64 * BLOCK_BYTES)
+    assert big.engine.max_model_len == 512
+    with pytest.raises(ValueError, match="prompt 0: prompt of 512 tokens does not fit the model's context of 512"):
+        big.generate([[5] * 512], params())
+
+
+def test_max_tokens_below_one_is_rejected():
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+
+
+def test_no_prompts(llm):
+    with pytest.raises(ValueError, match="no prompts given"):
+        llm.generate([], params())
+
+
+@pytest.mark.parametrize("prompts, index", [([[]], 0), ([[1, 2], []], 1)])
+def test_empty_prompt(llm, prompts, index):
+    with pytest.raises(ValueError, match=rf"prompt {index}: empty prompt: a request needs at least one token"):
+        llm.generate(prompts, params())
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 256], [-1, 3]])
+def test_token_ids_outside_the_vocabulary(llm, bad):
+    with pytest.raises(ValueError, match=r"prompt 0: prompt has token ids outside the vocabulary \[0, 256\)"):
+        llm.generate([bad], params())
+
+
+def test_text_prompt_without_a_tokenizer(llm):
+    with pytest.raises(ValueError, match="prompt 1: this model has no tokenizer .*pass token ids"):
+        llm.generate([[1, 2], "hello"], params())
+    assert_idle(llm)
+
+
+def test_sampling_params_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate([[1, 2], [3, 4]], [params()])
+    with pytest.raises(TypeError, match="prompt 1: sampling params must be SamplingParams, got dict"):
+        llm.generate([[1, 2], [3, 4]], [params(), {"max_tokens": 3}])
+    assert_idle(llm)
+
+
+def test_a_bad_prompt_among_good_ones_is_named_and_nothing_runs(llm):
+    with pytest.raises(ValueError, match=r"^prompt 2: prompt of 70 tokens does not fit"):
+        llm.generate([[1, 2, 3], [4, 5], [6] * 70, [7, 8]], params())
+    assert_idle(llm)
+    assert len(llm.engine.scheduler.waiting) == 0 and len(llm.engine.scheduler.running) == 0
+    out = llm.generate([[1, 2, 3], [4, 5]], params())  # the engine is still usable
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    assert_idle(llm)
+
+
+def test_engine_rejects_a_bad_request_and_keeps_the_good_ones(llm):
+    engine = llm.engine
+    good = [engine.add_request([1, 2, 3], params(4)), engine.add_request([9, 8, 7, 6], params(2))]
+    with pytest.raises(ValueError, match="prompt of 65 tokens does not fit"):
+        engine.add_request([3] * 65, params())
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([], params())
+    with pytest.raises(TypeError, match="must be SamplingParams"):
+        engine.add_request([1], {"max_tokens": 3})
+    finished = {}
+    for _ in range(20):
+        for seq in engine.step():
+            finished[seq.seq_id] = seq
+        if not engine.has_unfinished():
+            break
+    assert sorted(finished) == sorted(good)
+    assert [finished[i].num_output_tokens for i in good] == [4, 2]
+    assert_idle(llm)
+
+
+# -- engine configuration -------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [3, 1024, 0])
+def test_block_size_not_allowed(block_size):
+    with pytest.raises(ValueError, match=rf"block_size {block_size} is not allowed; choose one of "
+                                         r"\(1, 2, 4, 8, 16, 32, 64, 128, 256\)"):
+        LLM("does-not-exist", block_size=block_size)  # checked before the model is looked up
+
+
+@pytest.mark.parametrize("memory, message", [
+    (BLOCK_BYTES - 1, r"kv_cache_memory=8191 bytes is less than one block of 16 tokens \(8192 bytes across 2 layers\)"),
+    ("4KiB", r"kv_cache_memory=4096 bytes is less than one block"),
+])
+def test_kv_budget_smaller_than_one_block(memory, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(MODEL, block_size=16, kv_cache_memory=memory)
+
+
+@pytest.mark.parametrize("memory, message", [
+    (0, "kv_cache_memory must be positive, got 0"),
+    ("lots", r"kv_cache_memory 'lots' is not a size"),
+    ("12 parsecs", r"kv_cache_memory '12 parsecs' is not a size"),
+])
+def test_kv_budget_that_is_not_a_size(memory, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("does-not-exist", kv_cache_memory=memory)
+
+
+def test_budget_too_small_for_one_sequence_names_the_need_and_the_pool():
+    small = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=2 * BLOCK_BYTES)
+    with pytest.raises(ValueError, match=r"prompt 0: request needs 3 blocks of 16 tokens \(20 prompt \+ 20 new\), "
+                                         r"but the KV pool has only 2; raise kv_cache_memory"):
+        small.generate([[4] * 20], SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match=r"^request needs 3 blocks of 16 tokens \(20 prompt \+ 20 new\)"):
+        small.engine.add_request([4] * 20, SamplingParams(max_tokens=20))
+    assert not small.engine.has_unfinished()
+    assert [len(o.token_ids) for o in small.generate([[4] * 20], params(12))] == [12]  # 32 tokens fit
+
+
+def test_contiguous_reservation_counts_against_the_pool():
+    small = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=2 * BLOCK_BYTES, allocator="contiguous")
+    with pytest.raises(ValueError, match=r"request needs 4 blocks of 16 tokens .* the KV pool has only 2"):
+        small.generate([[4] * 5], SamplingParams(max_tokens=1))  # reserves max_model_len = 64 tokens
+    assert not small.engine.has_unfinished()
+
+
+def test_a_request_the_watermark_keeps_out_forever_is_rejected_up_front():
+    """4 blocks with half kept back from admission: a 40-token prompt (3 blocks) can never be admitted,
+    so it must be refused at validation like any request too big for the pool, not fail mid-generate."""
+    llm = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=4 * BLOCK_BYTES,
+              allocator_args={"watermark": 0.5})
+    assert not llm.engine.block_manager.primary_allocator.can_allocate(40, 44)  # even in an empty pool
+    with pytest.raises(ValueError, match=r"prompt 1: .*KV pool"):
+        llm.generate([[1, 2, 3], [5] * 40], params(4))
+    assert not llm.engine.has_unfinished()
+
+
+# -- plugin and model names --------------------------------------------------------------
+def names(registry) -> str:
+    return ", ".join(registry.names())
+
+
+@pytest.mark.parametrize("kwargs, registry, kind", [
+    (dict(allocator="nope"), ALLOCATORS, "allocator"),
+    (dict(policy="nope"), POLICIES, "policy"),
+    (dict(quant="nope"), QUANT_FORMATS, "quantisation format"),
+])
+def test_unknown_plugin_name_fails_before_the_model_loads(kwargs, registry, kind, monkeypatch):
+    monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    expected = rf"unknown {kind} 'nope'; registered {kind[:-1]}\w*: " + names(registry).replace(".", r"\.")
+    with pytest.raises(UnknownPluginError, match=expected):
+        LLM(MODEL, **kwargs)
+    with pytest.raises(UnknownPluginError, match=expected):
+        LLM("does-not-exist", **kwargs)  # the plugin error, not the model error
+
+
+def test_unknown_plugin_parameter_fails_before_the_model_loads():
+    with pytest.raises(TypeError, match=r"allocator 'paged' has no parameter\(s\) watermrk; "
+                                        r"its parameters are: watermark"):
+        LLM("does-not-exist", allocator_args={"watermrk": 0.1})
+    with pytest.raises(ValueError, match=r"paged\.watermark must be in \[0, 1\), got 2"):
+        LLM("does-not-exist", allocator_args={"watermark": 2})
+
+
+def test_unknown_model_lists_the_packaged_names():
+    with pytest.raises(ValueError, match=r"unknown model 'does-not-exist': not a packaged model "
+                                         r"\(smollm2-135m, gemma3-270m\).*random:<shape> "
+                                         r"\(gemma3-tiny, llama-135m, llama-1b, llama-tiny\)"):
+        LLM("does-not-exist")
+
+
+def test_unknown_random_shape_lists_the_shapes():
+    with pytest.raises(ValueError, match=r"unknown random model shape 'llama-huge'; known: "
+                                         r"gemma3-tiny, llama-135m, llama-1b, llama-tiny"):
+        LLM("random:llama-huge")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
+    (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
+    (dict(dtype="float8"), "dtype must be float32, bfloat16 or float16, got 'float8'"),
+])
+def test_other_engine_settings_are_checked_before_the_model(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("does-not-exist", **kwargs)

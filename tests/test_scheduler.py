@@ -1,0 +1,251 @@
+"""Continuous batching with a real BlockManager over paged allocators. Torch-free.
+
+`run_step` plays the engine's part: after `schedule()` it marks the scheduled
+tokens computed, appends a fake sampled token to every sequence whose tokens
+are all computed, and finishes a sequence once it has its requested outputs.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvlab.allocators.base import NULL_BLOCK
+from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.registry import ALLOCATORS
+from kvlab.sampling_params import SamplingParams
+from kvlab.scheduler import ScheduledBatch, Scheduler
+from kvlab.sequence import Sequence, SequenceStatus
+
+FAKE_TOKEN = 7
+
+
+def block_manager(num_blocks: int, block_size: int = 4, sliding_window: int | None = None,
+                  max_model_len: int = 4096) -> BlockManager:
+    groups = [LayerGroup((0, 1))]
+    if sliding_window is not None:
+        groups.append(LayerGroup((2,), sliding_window=sliding_window))
+    return BlockManager(groups, lambda: ALLOCATORS.build("paged"), num_blocks, block_size, max_model_len)
+
+
+def request(seq_id: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
+    prompt = [(seq_id * 31 + i) % 97 + 10 for i in range(prompt_len)]
+    return Sequence(seq_id, prompt, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens, arrival_time=0.0)
+
+
+def scheduler(bm: BlockManager, max_num_seqs: int = 8, budget: int = 64, seqs=()) -> Scheduler:
+    s = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    for seq in seqs:
+        s.add(seq)
+    return s
+
+
+def run_step(s: Scheduler) -> ScheduledBatch:
+    batch = s.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    for seq in batch.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(FAKE_TOKEN)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                s.finish(seq, "length")
+    for seq in s.running:
+        s.block_manager.release_out_of_window(seq)
+    return batch
+
+
+def chunks_of(s: Scheduler, seq: Sequence, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        batch = run_step(s)
+        out.append(dict(zip(map(id, batch.seqs), batch.num_new_tokens)).get(id(seq), 0))
+    return out
+
+
+# -- budget and chunking ---------------------------------------------------------------
+def test_prefill_is_chunked_by_the_token_budget():
+    seq = request(0, 100, max_tokens=3)
+    s = scheduler(block_manager(64), budget=32, seqs=[seq])
+    assert chunks_of(s, seq, 6) == [32, 32, 32, 4, 1, 1]
+    assert seq.is_finished and seq.num_output_tokens == 3
+    assert s.block_manager.primary_allocator.num_free_blocks == 64
+
+
+def test_token_budget_is_shared_and_never_exceeded():
+    seqs = [request(i, 20) for i in range(4)]
+    s = scheduler(block_manager(64), budget=30, seqs=seqs)
+    batch = run_step(s)
+    assert batch.num_new_tokens == [20, 10]  # FCFS: the second prompt gets what is left
+    assert batch.num_tokens == 30
+    batch = run_step(s)
+    # decode of seq 0 first, then seq 1's remaining prefill, then the next admission
+    assert [q.seq_id for q in batch.seqs] == [0, 1, 2]
+    assert batch.num_new_tokens == [1, 10, 19]
+    assert batch.num_tokens == 30
+
+
+def test_running_decodes_are_scheduled_before_new_admissions():
+    a, b = request(0, 8, max_tokens=4), request(1, 8, max_tokens=4)
+    s = scheduler(block_manager(64), budget=8, seqs=[a])
+    run_step(s)  # a's prompt uses the whole budget
+    s.add(b)
+    batch = run_step(s)
+    assert batch.seqs == [a, b]
+    assert batch.num_new_tokens == [1, 7]  # a's decode first; b gets the rest of the budget
+
+
+def test_decode_is_not_starved_by_a_long_waiting_prompt():
+    a = request(0, 4, max_tokens=5)
+    s = scheduler(block_manager(64), budget=16, seqs=[a])
+    run_step(s)
+    s.add(request(1, 200, max_tokens=1))
+    for _ in range(4):
+        batch = run_step(s)
+        assert batch.seqs[0] is a and batch.num_new_tokens[0] == 1
+    assert a.is_finished
+
+
+def test_max_num_seqs_limits_running_sequences():
+    seqs = [request(i, 4, max_tokens=2) for i in range(3)]
+    s = scheduler(block_manager(64), max_num_seqs=2, budget=64, seqs=seqs)
+    batch = run_step(s)
+    assert [q.seq_id for q in batch.seqs] == [0, 1]
+    assert list(s.waiting) == [seqs[2]]
+    batch = run_step(s)  # both finish (2 outputs each); the third waits until this step is over
+    assert [q.seq_id for q in batch.seqs] == [0, 1]
+    assert seqs[0].is_finished and seqs[1].is_finished
+    batch = run_step(s)
+    assert batch.seqs == [seqs[2]]
+
+
+# -- preemption ----------------------------------------------------------------------
+def test_pool_exhaustion_preempts_the_most_recent_admission():
+    a, b, c = request(0, 8, max_tokens=6), request(1, 4, max_tokens=6), request(2, 4, max_tokens=6)
+    s = scheduler(block_manager(4, block_size=4), budget=64, seqs=[a, b, c])
+    batch = run_step(s)  # a: 2 blocks, b: 1, c: 1 -> pool full
+    assert batch.seqs == [a, b, c]
+    assert s.block_manager.primary_allocator.num_free_blocks == 0
+    batch = run_step(s)  # a's 9th token needs a block: c (newest) goes; b then needs one too: b goes
+    assert batch.seqs == [a] and batch.num_new_tokens == [1]
+    assert batch.num_preempted == 2
+    assert list(s.waiting) == [b, c]  # back at the front, admission order kept
+    assert s.running == [a]
+    for seq in (b, c):
+        assert seq.status is SequenceStatus.WAITING
+        assert seq.num_computed_tokens == 0 and seq.num_preemptions == 1
+        assert seq.output_token_ids == [FAKE_TOKEN]  # the sampled token is kept and recomputed later
+        assert seq.seq_id not in s.block_manager.primary_allocator.tables
+    assert s.block_manager.primary_allocator.num_free_blocks == 1
+    for _ in range(60):  # ...and every request still completes, with all its outputs
+        run_step(s)
+    assert all(q.is_finished and q.output_token_ids == [FAKE_TOKEN] * 6 for q in (a, b, c))
+    assert s.block_manager.primary_allocator.num_free_blocks == 4
+
+
+def test_preempted_sequence_goes_before_requests_that_were_already_waiting():
+    a, b = request(0, 8, max_tokens=4), request(1, 8, max_tokens=4)
+    late = request(2, 4, max_tokens=1)
+    s = scheduler(block_manager(4, block_size=4), max_num_seqs=2, budget=64, seqs=[a, b, late])
+    run_step(s)  # a and b fill the pool; late waits (max_num_seqs)
+    batch = run_step(s)
+    assert batch.num_preempted == 1 and batch.seqs == [a]
+    assert list(s.waiting) == [b, late]
+    assert not any(q is late for q in batch.seqs)  # no admission in a step that preempted
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_newest():
+    a, b = request(0, 4, max_tokens=8), request(1, 4, max_tokens=8)
+    s = scheduler(block_manager(2, block_size=4), budget=64, seqs=[a, b])
+    run_step(s)
+    batch = run_step(s)  # a needs a block -> b goes; then nothing left to schedule for b
+    assert batch.seqs == [a] and list(s.waiting) == [b]
+
+
+# -- random workloads: nothing is lost -------------------------------------------------
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.integers(0, 6)), min_size=2,
+                         max_size=8))  # (prompt length, max_tokens, arrival step)
+    need = max(-(-(p + m) // block_size) for p, m, _ in reqs)  # the longest request fits an empty pool
+    num_blocks = need + draw(st.integers(0, 2))  # tight pools: preemption is common
+    budget = draw(st.integers(1, 48))
+    max_num_seqs = draw(st.integers(1, 6))
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    return block_size, reqs, num_blocks, budget, max_num_seqs, window
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_finishes_with_its_outputs_and_the_pool_drains(workload):
+    block_size, reqs, num_blocks, budget, max_num_seqs, window = workload
+    bm = block_manager(num_blocks, block_size, sliding_window=window)
+    s = scheduler(bm, max_num_seqs=max_num_seqs, budget=budget)
+    seqs = [request(i, p, m) for i, (p, m, _) in enumerate(reqs)]
+    prompts = [list(q.token_ids) for q in seqs]
+    for q in seqs:
+        assert bm.capacity_error(q) is None
+    total = sum(p + m for p, m, _ in reqs)
+    step = 0
+    while s.has_unfinished() or any(arrival >= step for _, _, arrival in reqs):
+        for q, (_, _, arrival) in zip(seqs, reqs):
+            if arrival == step:
+                s.add(q)
+        running_before = list(s.running)
+        batch = run_step(s)
+        step += 1
+        assert step < 20 * total + 50, "the scheduler stopped making progress"
+        if s.has_unfinished():
+            assert batch.seqs, f"empty step with {len(s.waiting)} waiting and {len(s.running)} running"
+        assert batch.num_tokens <= budget and all(n >= 1 for n in batch.num_new_tokens)
+        assert len({id(q) for q in batch.seqs}) == len(batch.seqs) <= max_num_seqs
+        assert len(s.running) <= max_num_seqs
+        preempted = [q for q in running_before if q.status is SequenceStatus.WAITING]
+        assert batch.num_preempted == len(preempted)
+        assert list(s.waiting)[: len(preempted)] == preempted  # at the front, in admission order
+        for q in s.running:
+            for a in bm.allocators:
+                assert a.num_tokens(q.seq_id) == q.num_computed_tokens
+            if window is not None:  # every key the next query can see is still cached
+                first_visible = max(0, q.num_computed_tokens - window + 1)
+                slots = bm.allocators[1].slot_ids(q.seq_id, first_visible, q.num_computed_tokens)
+                assert all(slot >= 0 for slot in slots)
+        for q in s.waiting:
+            assert q.num_computed_tokens == 0 and all(q.seq_id not in a.tables for a in bm.allocators)
+    event("with preemption" if any(q.num_preemptions for q in seqs) else "without preemption")
+    for q, prompt, (_, m, _) in zip(seqs, prompts, reqs):
+        assert q.is_finished and q.finish_reason == "length"
+        assert q.token_ids == prompt + [FAKE_TOKEN] * m
+    for a in bm.allocators:
+        assert a.num_free_blocks == a.num_blocks and a.tables == {}
+
+
+# -- sliding window --------------------------------------------------------------------
+def test_sliding_window_group_releases_blocks_wholly_out_of_the_window():
+    bm = block_manager(16, block_size=4, sliding_window=6)
+    full, sliding = bm.allocators
+    seq = request(0, 20)
+    bm.allocate(seq, 20)
+    seq.num_computed_tokens = 20  # next query at position 20 sees keys 15..20
+    bm.release_out_of_window(seq)
+    # blocks holding tokens 0-3, 4-7, 8-11 are wholly before 15; 12-15 holds token 15
+    assert sliding.block_table(0)[:3] == [NULL_BLOCK] * 3
+    assert NULL_BLOCK not in sliding.block_table(0)[3:]
+    assert sliding.num_free_blocks == 16 - 5 + 3
+    assert NULL_BLOCK not in full.block_table(0) and full.num_free_blocks == 11  # full attention keeps all
+    seq.num_computed_tokens = 21  # window start moves to 16: the 12-15 block goes too
+    bm.append(seq, 1)
+    bm.release_out_of_window(seq)
+    assert sliding.block_table(0)[:4] == [NULL_BLOCK] * 4
+    assert NULL_BLOCK not in sliding.block_table(0)[4:]  # keys 16..20 are still cached
+    bm.free(seq)
+    assert sliding.num_free_blocks == full.num_free_blocks == 16
+
+
+def test_sliding_window_keeps_everything_while_the_sequence_is_shorter_than_the_window():
+    bm = block_manager(16, block_size=4, sliding_window=32)
+    seq = request(0, 20)
+    bm.allocate(seq, 20)
+    seq.num_computed_tokens = 20
+    bm.release_out_of_window(seq)
+    assert NULL_BLOCK not in bm.allocators[1].block_table(0)
