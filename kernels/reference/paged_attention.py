@@ -90,12 +90,28 @@ class AttentionPlan:
         q_lens = self.q_lens
         decode = [b for b, n in enumerate(q_lens) if n == 1]
         extend = [b for b, n in enumerate(q_lens) if n > 1]
+        groups = _buckets(decode, self.seq_lens) + ([extend] if extend else [])
         return [
             _plan_part(rows, self.cu_seqlens_q, q_lens, self.seq_lens, tables, self.block_size,
                        self.sliding_window, tree, self.device)
-            for rows in (decode, extend)
-            if rows
+            for rows in groups
         ]
+
+
+def _buckets(rows: list[int], seq_lens: list[int], slack: float = 0.25, min_rows: int = 8) -> list[list[int]]:
+    """Decode rows sorted by length and cut where padding to the bucket's longest row would waste
+    more than `slack` of the bucket, so a few long contexts do not pad every short one."""
+    buckets: list[list[int]] = []
+    for b in sorted(rows, key=lambda r: seq_lens[r]):
+        cur = buckets[-1] if buckets else None
+        if cur is not None:
+            used = sum(seq_lens[r] for r in cur) + seq_lens[b]
+            padded = seq_lens[b] * (len(cur) + 1)
+            if len(cur) < min_rows or used >= (1 - slack) * padded:
+                cur.append(b)
+                continue
+        buckets.append([b])
+    return buckets
 
 
 def plan_paged_attention(
@@ -201,21 +217,10 @@ def run_paged_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention output [T, Hq, D]; with `return_stats`, also the attention statistics
     (see kvlab.kernels.reference.attention_stats) as (out, stats)."""
-    T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
     if out is None:
-        out = q.new_empty(T, Hq, D)
+        out = q.new_empty(q.shape)  # [T, Hq, D]
     for part in plan.parts:
-        B, Qmax = part.q_index.shape
-        L = part.blocks.shape[1] * plan.block_size
-        qp = q[part.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-        k = dequantize_ref(k_cache[part.blocks], k_scale, q.dtype).view(B, L, Hkv, D).transpose(1, 2)
-        v = dequantize_ref(v_cache[part.blocks], v_scale, q.dtype).view(B, L, Hkv, D).transpose(1, 2)
-        if softcap is None:
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=part.mask, scale=scale, enable_gqa=Hq != Hkv)
-        else:
-            o = _attention_softcap(qp, k, v, part.mask, scale, softcap)
-        o = o.transpose(1, 2)  # [B, Qmax, Hq, D]
+        o = _attend_part(q, k_cache, v_cache, part, plan.block_size, scale, softcap, k_scale, v_scale)
         out[part.q_index[part.q_valid]] = o[part.q_valid].to(out.dtype)
     if not return_stats:
         return out
@@ -223,6 +228,39 @@ def run_paged_attention(
 
     stats = attention_stats_from_plan(q, k_cache, plan, scale, softcap, k_scale, stats_window, out=stats_out)
     return out, stats
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """cache [NB, bs, Hkv, D], blocks [B, nb] -> [B, Hkv, nb * bs, D] in `dtype` (a strided view).
+
+    index_select over whole blocks copies block-sized rows (advanced indexing copies element-wise)."""
+    NB, bs, Hkv, D = cache.shape
+    B, nb = blocks.shape
+    rows = cache.view(NB, bs * Hkv * D).index_select(0, blocks.reshape(-1))  # [B * nb, bs * Hkv * D]
+    return dequantize_ref(rows.view(B, nb * bs, Hkv, D), scale, dtype).transpose(1, 2)
+
+
+def _attend_part(q, k_cache, v_cache, part: _Part, block_size: int, scale, softcap, k_scale, v_scale):
+    """Attention of one padded group: -> [B, Qmax, Hq, D].
+
+    GQA folds the g query heads of each KV head into the query dimension
+    ([B, Hkv, g * Qmax, D]), so keys and values are never repeated per query head."""
+    B, Qmax = part.q_index.shape
+    Hq, D = q.shape[1:]
+    Hkv = k_cache.shape[2]
+    g = Hq // Hkv
+    k = gather_blocks(k_cache, part.blocks, k_scale, q.dtype)  # [B, Hkv, L, D]
+    v = gather_blocks(v_cache, part.blocks, v_scale, q.dtype)
+    if softcap is not None:
+        qp = q[part.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+        return _attention_softcap(qp, k, v, part.mask, scale, softcap).transpose(1, 2)
+    qg = q[part.q_index].view(B, Qmax, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Qmax, D)
+    mask = part.mask  # [B, 1, Qmax, L]
+    if Qmax > 1 and g > 1:
+        mask = mask[:, :, None].expand(B, 1, g, Qmax, mask.shape[-1]).reshape(B, 1, g * Qmax, -1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, g*Qmax, D]
+    return o.view(B, Hkv, g, Qmax, D).permute(0, 3, 1, 2, 4).reshape(B, Qmax, Hq, D)
 
 
 def attention_logits(q, k, mask, scale, softcap):
