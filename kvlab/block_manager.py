@@ -42,9 +42,10 @@ class BlockManager:
         """Why `seq` could never run alone in this pool, or None."""
         a = self.primary_allocator
         need = a.blocks_for(max(a.reservation(seq.num_tokens, seq.max_len), seq.max_len))
-        if need > self.num_blocks:
+        if need > a.usable_blocks:
+            reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
             return (f"request needs {need} blocks of {self.block_size} tokens ({seq.num_prompt_tokens} prompt + "
-                    f"{seq.max_len - seq.num_prompt_tokens} new), but the KV pool has only {self.num_blocks}; "
+                    f"{seq.max_len - seq.num_prompt_tokens} new), but the KV pool has only {a.usable_blocks}{reserve}; "
                     f"raise kv_cache_memory or lower max_tokens / max_model_len")
         return None
 

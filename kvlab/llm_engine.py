@@ -199,7 +199,8 @@ class LLMEngine:
         n_out = seq.num_output_tokens if not seq.is_scoring else 0
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         tpot = (now - seq.first_token_time) / (n_out - 1) if n_out > 1 else None
-        self.metrics.record_finish(seq.seq_id, seq.num_tokens, seq.num_prompt_tokens, n_out, ttft, tpot)
+        # the final length in the cache: the last sampled token is never written
+        self.metrics.record_finish(seq.seq_id, seq.num_computed_tokens, seq.num_prompt_tokens, n_out, ttft, tpot)
         return seq
 
     def _record_step(self, num_preempted: int) -> None:

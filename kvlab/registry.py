@@ -58,8 +58,9 @@ class PluginInterfaceError(TypeError):
 class Registry(Generic[T]):
     """Name -> class for one kind of plugin (allocator, policy, draft, quant format)."""
 
-    def __init__(self, kind: str, base: type | None = None):
+    def __init__(self, kind: str, base: type | None = None, plural: str | None = None):
         self.kind = kind
+        self.plural = plural or kind + "s"
         self.base = base
         self._classes: dict[str, type] = {}
 
@@ -102,7 +103,7 @@ class Registry(Generic[T]):
         except KeyError:
             known = ", ".join(sorted(self._classes)) or "(none)"
             raise UnknownPluginError(
-                f"unknown {self.kind} {name!r}; registered {self.kind}s: {known}"
+                f"unknown {self.kind} {name!r}; registered {self.plural}: {known}"
             ) from None
 
     def build(self, name: str, **params: Any) -> T:
@@ -173,7 +174,7 @@ def plugin_errors() -> dict[str, str]:
 # One registry per kind. Bases are attached by the modules that define them
 # (kvlab.allocators.base etc.) so that this file stays import-light.
 ALLOCATORS: Registry = Registry("allocator")
-POLICIES: Registry = Registry("policy")
+POLICIES: Registry = Registry("policy", plural="policies")
 DRAFTS: Registry = Registry("draft model")
 QUANT_FORMATS: Registry = Registry("quantisation format")
 

@@ -103,6 +103,11 @@ class Allocator(ABC):
         return 0
 
     @property
+    def usable_blocks(self) -> int:
+        """Blocks one sequence could ever hold (the pool, less any admission reserve)."""
+        return self.num_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

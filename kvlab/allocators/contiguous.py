@@ -73,7 +73,7 @@ class ContiguousAllocator(Allocator):
     def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        n = self.blocks_for(self.reservation(num_tokens, max_tokens))
+        n = max(1, self.blocks_for(self.reservation(num_tokens, max_tokens)))
         start = self._take(n)
         self.reserved[seq_id] = n
         self.tables[seq_id] = list(range(start, start + n))
@@ -93,6 +93,8 @@ class ContiguousAllocator(Allocator):
         del self.lengths[seq_id], self.reserved[seq_id]
 
     def fork(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
         n = self.reserved[parent_id]
         start = self._take(n)
         self.reserved[child_id] = n

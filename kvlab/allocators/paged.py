@@ -47,9 +47,12 @@ class PagedAllocator(Allocator):
         if self.ref_counts[block] == 0:
             self.free_blocks.append(block)
 
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - int(self.watermark * self.num_blocks)
+
     def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
-        reserve = int(self.watermark * self.num_blocks)
-        return self.blocks_for(num_tokens) <= self.num_free_blocks - reserve
+        return self.blocks_for(num_tokens) <= self.num_free_blocks - (self.num_blocks - self.usable_blocks)
 
     def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
         if seq_id in self.tables:
@@ -102,6 +105,8 @@ class PagedAllocator(Allocator):
         if not 0 <= num_tokens <= self.lengths[seq_id]:
             raise ValueError(f"cannot truncate sequence {seq_id} of {self.lengths[seq_id]} tokens to {num_tokens}")
         table = self.tables[seq_id]
+        if num_tokens % self.block_size and table[self.blocks_for(num_tokens) - 1] == NULL_BLOCK:
+            raise ValueError(f"cannot truncate sequence {seq_id} into blocks it already released")
         while len(table) > self.blocks_for(num_tokens):
             block = table.pop()
             if block != NULL_BLOCK:
