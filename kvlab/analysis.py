@@ -83,7 +83,7 @@ def wandb_api_rows(project: str) -> list[dict]:
     for run in wandb.Api().runs(project):
         config = {k: v for k, v in run.config.items() if not k.startswith("_")}
         meta = config.pop("meta", {})
-        summary = {k: v for k, v in run.summary._json_dict.items() if not k.startswith("_")}
+        summary = {k: v for k, v in run.summary._json_dict.items() if not k.startswith(("_", "tables/", "figures/"))}
         status = summary.pop("status", None) or ("finished" if run.state == "finished" else run.state)
         rows.append({"run_dir": run.url, "name": run.name, "status": status, "error": summary.pop("error", None),
                      "source": "wandb", **flatten(config), **flatten(meta, "meta."), **_scalars(summary)})
@@ -115,7 +115,7 @@ def wandb_offline_row(path: Path) -> dict:
             exit_code = record.exit.exit_code
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     meta = config.pop("meta", {})
-    summary = {k: v for k, v in summary.items() if not k.startswith("_")}
+    summary = {k: v for k, v in summary.items() if not k.startswith(("_", "tables/", "figures/"))}
     status = summary.pop("status", None) or ("finished" if exit_code == 0 else "failed" if exit_code else "running")
     return {"run_dir": str(path.parent.parent.parent), "name": name, "status": status,
             "error": summary.pop("error", None), "source": "wandb-offline", **flatten(config),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import importlib
 import os
 import re
@@ -41,6 +42,27 @@ _UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3
 
 class ConfigError(ValueError):
     """A config value that is wrong; the message starts with its dotted path."""
+
+
+def job_dir_name(override_dirname: str, limit: int = 120) -> str:
+    """A sweep job's folder name from its overrides: readable, one path component, never too long.
+
+    Used as `hydra.sweep.subdir: ${kvlab_job_dir:${hydra.job.override_dirname}}`, so a job's
+    folder depends only on its overrides and a rerun of the sweep finds it again.
+    """
+    name = (override_dirname or "default").replace("/", "_")
+    if len(name) > limit:
+        name = f"{name[:limit - 17]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    return name
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("kvlab_job_dir", job_dir_name, replace=True)
+
+
+_register_resolvers()  # at import: every process that runs a kvlab job imports this module
 
 
 # -- schemas of the fixed sections ---------------------------------------------

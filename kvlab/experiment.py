@@ -146,8 +146,7 @@ def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None =
     if config["skip_existing"] and sweep_dir is not None:
         done = find_finished(Path(sweep_dir), digest)
         if done is not None:
-            log.info("skipped: a finished run with the same config (%s) exists in %s", digest, done)
-            print(f"[kvlab] skipped {job_name or config['name']}: results exist in {done}")
+            log.info("skipped %s: a finished run with the same config (%s) is in %s", job_name, digest, done)
             return {}
     name = f"{config['name']}/{job_name}" if job_name else config["name"]
     loggers = Loggers([LocalLogger()] + ([import_target(config["logger"]["_target_"], "logger._target_")(

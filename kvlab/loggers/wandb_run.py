@@ -93,5 +93,8 @@ class WandbLogger(RunLogger):
             if error:
                 self.run.summary["error"] = error[-2000:]
         finally:
+            import wandb
+
             self.run.finish(exit_code=0 if status != "failed" else 1)
             self.run = None
+            wandb.teardown()  # flush the run file now: offline data is written asynchronously

@@ -64,7 +64,8 @@ def compare(index, ref_ids, test_ids, continuation, ref_dists, test_dists, max_n
     same = [a == b for a, b in zip(ref_ids, test_ids)]
     prefix = next((i for i, s in enumerate(same) if not s), len(same))
     lr, lt = as_tensor(ref_dists), as_tensor(test_dists)               # [T, V] log p
-    kl = torch.where(lr.isfinite(), lr.exp() * (lr - lt), torch.zeros_like(lr)).sum(-1)  # [T]
+    lr, lt = lr - lr.logsumexp(-1, keepdim=True), lt - lt.logsumexp(-1, keepdim=True)  # renormalise in fp64
+    kl = torch.where(lr.isfinite(), lr.exp() * (lr - lt), torch.zeros_like(lr)).sum(-1).clamp_min(0)  # [T]
     target = torch.tensor(continuation)
     return {
         "prompt": index,

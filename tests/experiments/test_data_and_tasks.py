@@ -108,9 +108,9 @@ def test_agreement_sees_a_lower_precision_cache(tiny_llm, ctx):
 
     from kvlab import LLM
 
-    fp16 = LLM(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0, quant="fp16")
-    result = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=6).run(fp16, replace(ctx, reference=lambda: tiny_llm))
-    assert 0.0 < result.metrics["agreement/kl"] < 1e-2  # fp16 K/V: a tiny but nonzero divergence
+    bf16 = LLM(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0, quant="bf16")
+    result = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=6).run(bf16, replace(ctx, reference=lambda: tiny_llm))
+    assert 0.0 < result.metrics["agreement/kl"] < 1e-2  # bf16 K/V: a small but nonzero divergence
 
 
 @needs_data("wikitext-2-raw")
