@@ -135,7 +135,7 @@ def check_model(node: dict) -> dict:
     out = check_fields("model", node, ModelConfig, fill=True)
     name = out["name"]
     if name.startswith("random:"):
-        from kvlab.models import RANDOM_SHAPES  # torch-free at import time? models imports torch; cheap enough
+        from kvlab.models import RANDOM_SHAPES
 
         shape = name.split(":", 1)[1]
         if shape not in RANDOM_SHAPES:

@@ -199,9 +199,9 @@ def log_result(loggers: Loggers, result: Result) -> None:
     for name, table in result.tables.items():
         loggers.log_table(name, table)
     for name, figure in result.figures.items():
-        loggers.log_figure(name, figure)
         import matplotlib.pyplot as plt
 
+        loggers.log_figure(name, figure)
         plt.close(figure)
 
 

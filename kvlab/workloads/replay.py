@@ -57,7 +57,7 @@ def replay(llm, requests: list[Request], arrival: Literal["asap", "real"] = "asa
             if not engine.has_unfinished():
                 time.sleep(max(0.0, min(pending[0][0] / speedup - now, 0.05)))
                 continue
-            for out in map(lambda item: as_output(llm, item), engine.step()):
+            for out in (as_output(llm, item) for item in engine.step()):
                 req, added = live.pop(out.request_id)
                 done = time.perf_counter() - start
                 rows.append({"tag": req.tag, "arrival_s": added, "finish_s": done,

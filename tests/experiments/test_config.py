@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -165,10 +166,12 @@ def test_check_target_disabled_section():
 
 
 def test_cli_unknown_option_and_default_compose(tmp_path):
+    """`kvlab-run` (the console script) composes the default experiment; a bad option lists the valid ones."""
     bad = subprocess.run(kvlab_cmd("policy=nope"), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "Available options in 'policy'" in bad.stderr and "full" in bad.stderr
-    ok = subprocess.run(kvlab_cmd("--cfg", "job"), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
-                        timeout=120)
+    script = Path(sys.executable).with_name("kvlab-run")
+    ok = subprocess.run([str(script), "--cfg", "job"] if script.exists() else kvlab_cmd("--cfg", "job"), cwd=tmp_path,
+                        env=run_env(), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "name: smollm2-135m" in ok.stdout

@@ -37,6 +37,14 @@ def test_missing_data_fails_the_task_clearly(tiny_llm, tmp_path):
         NeedleInAHaystack(context_lengths=[128]).run(tiny_llm, RunContext(data_dir=tmp_path))
 
 
+def test_hub_source_offline_says_so(monkeypatch):
+    from kvlab.tasks.data import load_text
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MissingDataError, match="hub:wikitext.*need a network"):
+        load_text("hub:wikitext:wikitext-2-raw-v1:test")
+
+
 def test_data_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLAB_DATA", str(tmp_path))
     assert default_data_dir() == tmp_path
