@@ -46,8 +46,7 @@ class LLM:
                 raise type(exc)(f"prompt {i}: {exc}") from None
         for seq in seqs:
             self.engine.add_sequence(seq)
-        self._run(seqs, use_tqdm)
-        return [self._output(seq) for seq in seqs]
+        return self._run(seqs, use_tqdm)
 
     def score(self, contexts: Prompt | Seq[Prompt], continuations: Prompt | Seq[Prompt],
               return_dists: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
@@ -71,24 +70,26 @@ class LLM:
                 raise ValueError(f"context {i}: {exc}") from None
         for seq in seqs:
             self.engine.add_sequence(seq, return_dists=return_dists)
-        self._run(seqs, use_tqdm)
-        return [ScoreOutput(s.seq_id, s.logprobs, list(s.dists)) for s in seqs]
+        return self._run(seqs, use_tqdm)
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
-        pending = {s.seq_id for s in seqs}
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list:
+        """Step the engine until every one of `seqs` is done; their outputs in order."""
+        wanted = {s.seq_id for s in seqs}
+        done: dict[int, RequestOutput | ScoreOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs), desc="requests")
-        while pending:
-            for seq in self.engine.step():
-                if seq.seq_id in pending:
-                    pending.discard(seq.seq_id)
+        while len(done) < len(seqs):
+            for out in self.engine.step():
+                if out.request_id in wanted:
+                    done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        return [done[s.seq_id] for s in seqs]
 
     # -- metrics -------------------------------------------------------------
     def stats(self) -> dict:
@@ -125,11 +126,3 @@ class LLM:
                 raise ValueError("this model has no tokenizer (random weights): pass token ids")
             return self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
         return list(prompt)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        n = seq.num_output_tokens
-        tpot = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else None
-        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, ttft, tpot, seq.num_preemptions)

@@ -21,6 +21,7 @@ from kvlab.kv_cache import KVCache, bytes_per_block
 from kvlab.metrics import Metrics
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
+from kvlab.outputs import RequestOutput, ScoreOutput
 from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
 from kvlab.sampler import sample
 from kvlab.sampling_params import SamplingParams
@@ -145,8 +146,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that finished in it."""
+    def step(self) -> list[RequestOutput | ScoreOutput]:
+        """Run one engine step; returns the outputs of the requests that finished in it."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -159,7 +160,19 @@ class LLMEngine:
         finished = self._postprocess(out)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
-        return finished
+        return [self.make_output(seq) for seq in finished]
+
+    def make_output(self, seq: Sequence) -> RequestOutput | ScoreOutput:
+        if seq.is_scoring:
+            dists = torch.stack(seq.dists) if seq.dists else None
+            return ScoreOutput(seq.seq_id, seq.logprobs, dists)
+        tok = self.tokenizer
+        text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        n = seq.num_output_tokens
+        tpot = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else None
+        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
+                             seq.finish_reason, ttft, tpot, seq.num_preemptions)
 
     def _postprocess(self, out) -> list[Sequence]:
         now = time.perf_counter()

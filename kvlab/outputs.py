@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -21,4 +23,4 @@ class RequestOutput:
 class ScoreOutput:
     request_id: int
     logprobs: list[float]  # log p(continuation[i] | context, continuation[:i])
-    dists: list = field(default_factory=list)  # with return_dists: [len(continuation), vocab] log-probs
+    dists: torch.Tensor | None = None  # with return_dists: [len(continuation), vocab] log-probs

@@ -116,12 +116,12 @@ def test_engine_rejects_a_bad_request_and_keeps_the_good_ones(llm):
         engine.add_request([1], {"max_tokens": 3})
     finished = {}
     for _ in range(20):
-        for seq in engine.step():
-            finished[seq.seq_id] = seq
+        for out in engine.step():
+            finished[out.request_id] = out
         if not engine.has_unfinished():
             break
     assert sorted(finished) == sorted(good)
-    assert [finished[i].num_output_tokens for i in good] == [4, 2]
+    assert [len(finished[i].token_ids) for i in good] == [4, 2]
     assert_idle(llm)
 
 

@@ -57,7 +57,7 @@ def replay(llm, requests: list[Request], arrival: Literal["asap", "real"] = "asa
             if not engine.has_unfinished():
                 time.sleep(max(0.0, min(pending[0][0] / speedup - now, 0.05)))
                 continue
-            for out in (as_output(llm, item) for item in engine.step()):
+            for out in engine.step():
                 req, added = live.pop(out.request_id)
                 done = time.perf_counter() - start
                 rows.append({"tag": req.tag, "arrival_s": added, "finish_s": done,
@@ -70,10 +70,3 @@ def replay(llm, requests: list[Request], arrival: Literal["asap", "real"] = "asa
     stats = llm.stats()
     metrics = {f"{prefix}/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return Result(metrics, {f"{prefix}_requests": pd.DataFrame(rows)})
-
-
-def as_output(llm, item):
-    """A RequestOutput from what engine.step() returns (outputs, or the engine's finished sequences)."""
-    if hasattr(item, "request_id"):
-        return item
-    return llm._output(item)  # the engine returned a Sequence: let the LLM convert it as generate() does
