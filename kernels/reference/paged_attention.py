@@ -55,6 +55,8 @@ class _Part:
     seq_rows: list[int] = field(default_factory=list)  # which batch rows are in this part
     q_local: torch.Tensor | None = None  # [B, Qmax] index of each query within its sequence's chunk (-1 pads)
     q_lens: torch.Tensor | None = None  # [B] query-chunk length of each row
+    valid_rows: torch.Tensor | None = None  # [n_valid] positions in the flattened [B * Qmax] that hold a query
+    valid_tokens: torch.Tensor | None = None  # [n_valid] the packed token each of those is
 
 
 @dataclass
@@ -188,7 +190,10 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
             mask[r, :n, c0 : c0 + n] &= tm
     q_valid = q_pos >= 0
     mask[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
+    valid_rows = q_valid.view(-1).nonzero().view(-1)
     return _Part(
+        valid_rows=valid_rows.to(device),
+        valid_tokens=q_index.view(-1)[valid_rows].to(device),
         q_index=q_index.to(device),
         q_valid=q_valid.to(device),
         blocks=blocks.to(device),
@@ -221,7 +226,8 @@ def run_paged_attention(
         out = q.new_empty(q.shape)  # [T, Hq, D]
     for part in plan.parts:
         o = _attend_part(q, k_cache, v_cache, part, plan.block_size, scale, softcap, k_scale, v_scale)
-        out[part.q_index[part.q_valid]] = o[part.q_valid].to(out.dtype)
+        o = o.reshape(-1, *o.shape[2:]).index_select(0, part.valid_rows)  # [n_valid, Hq, D]
+        out.index_copy_(0, part.valid_tokens, o.to(out.dtype))
     if not return_stats:
         return out
     from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
@@ -252,10 +258,10 @@ def _attend_part(q, k_cache, v_cache, part: _Part, block_size: int, scale, softc
     g = Hq // Hkv
     k = gather_blocks(k_cache, part.blocks, k_scale, q.dtype)  # [B, Hkv, L, D]
     v = gather_blocks(v_cache, part.blocks, v_scale, q.dtype)
+    qp = q.index_select(0, part.q_index.view(-1)).view(B, Qmax, Hq, D)
     if softcap is not None:
-        qp = q[part.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-        return _attention_softcap(qp, k, v, part.mask, scale, softcap).transpose(1, 2)
-    qg = q[part.q_index].view(B, Qmax, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Qmax, D)
+        return _attention_softcap(qp.transpose(1, 2), k, v, part.mask, scale, softcap).transpose(1, 2)
+    qg = qp.view(B, Qmax, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Qmax, D)
     mask = part.mask  # [B, 1, Qmax, L]
     if Qmax > 1 and g > 1:
         mask = mask[:, :, None].expand(B, 1, g, Qmax, mask.shape[-1]).reshape(B, 1, g * Qmax, -1)
