@@ -57,6 +57,7 @@ class _Part:
     q_lens: torch.Tensor | None = None  # [B] query-chunk length of each row
     valid_rows: torch.Tensor | None = None  # [n_valid] positions in the flattened [B * Qmax] that hold a query
     valid_tokens: torch.Tensor | None = None  # [n_valid] the packed token each of those is
+    unmasked_len: int | None = None  # set when one query per row sees exactly the first `unmasked_len` keys
 
 
 @dataclass
@@ -191,7 +192,10 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
     q_valid = q_pos >= 0
     mask[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
     valid_rows = q_valid.view(-1).nonzero().view(-1)
+    lens = {seq_lens[b] - f * bs for b, f in zip(rows, first)}
+    unmasked = q_max == 1 and window is None and tree is None and len(lens) == 1  # e.g. batch-1 decode
     return _Part(
+        unmasked_len=lens.pop() if unmasked else None,
         valid_rows=valid_rows.to(device),
         valid_tokens=q_index.view(-1)[valid_rows].to(device),
         q_index=q_index.to(device),
@@ -263,7 +267,9 @@ def _attend_part(q, k_cache, v_cache, part: _Part, block_size: int, scale, softc
         return _attention_softcap(qp.transpose(1, 2), k, v, part.mask, scale, softcap).transpose(1, 2)
     qg = qp.view(B, Qmax, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Qmax, D)
     mask = part.mask  # [B, 1, Qmax, L]
-    if Qmax > 1 and g > 1:
+    if part.unmasked_len is not None:  # every row sees exactly its first keys: no mask, SDPA's fast path
+        k, v, mask = k[:, :, : part.unmasked_len], v[:, :, : part.unmasked_len], None
+    elif Qmax > 1 and g > 1:
         mask = mask[:, :, None].expand(B, 1, g, Qmax, mask.shape[-1]).reshape(B, 1, g * Qmax, -1)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, g*Qmax, D]
     return o.view(B, Hkv, g, Qmax, D).permute(0, 3, 1, 2, 4).reshape(B, Qmax, Hq, D)
