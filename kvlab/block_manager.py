@@ -80,9 +80,6 @@ class BlockManager:
         return [a.take_copies() for a in self.allocators]
 
     # -- views for the runner and the metrics --------------------------------
-    def slot_ids(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
-        return [a.slot_ids(seq.seq_id, start, end) for a in self.allocators]
-
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         return [a.block_table(seq.seq_id) for a in self.allocators]
 

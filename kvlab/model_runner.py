@@ -53,7 +53,6 @@ class ModelRunner:
         num_groups = len(bm.groups)
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
         cu_seqlens = [0]
         seq_lens: list[int] = []
         keep: list[int] = []
@@ -63,8 +62,6 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            for g, group_slots in enumerate(bm.slot_ids(seq, start, end)):
-                slots[g].extend(group_slots)
             offset = cu_seqlens[-1]
             cu_seqlens.append(offset + n)
             seq_lens.append(end)
@@ -85,16 +82,25 @@ class ModelRunner:
             for g, group in enumerate(bm.groups)
         ]
         dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64)  # [T] cache index of each new token
+        seq_of = torch.repeat_interleave(torch.arange(len(batch.seqs)), torch.tensor(batch.num_new_tokens))  # [T]
         meta = StepMetadata(
             cache=self.cache,
-            slot_mapping=[torch.tensor(s, dtype=torch.int64, device=dev) for s in slots],
+            slot_mapping=[slot_mapping(t, seq_of, pos, bm.block_size).to(dev) for t in tables],
             plans=plans,
         )
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            pos.to(dev),
             meta,
             torch.tensor(keep, dtype=torch.int64, device=dev),
             sample_rows,
             score_rows,
         )
+
+
+def slot_mapping(tables: list[list[int]], seq_of: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of every new token: tables[b][pos // block_size] * block_size + pos % block_size -> [T] int64."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [B, width]
+    return padded[seq_of, pos // block_size] * block_size + pos % block_size

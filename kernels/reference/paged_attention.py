@@ -58,6 +58,7 @@ class _Part:
     valid_rows: torch.Tensor | None = None  # [n_valid] positions in the flattened [B * Qmax] that hold a query
     valid_tokens: torch.Tensor | None = None  # [n_valid] the packed token each of those is
     unmasked_len: int | None = None  # set when one query per row sees exactly the first `unmasked_len` keys
+    folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # g -> mask with GQA groups folded in
 
 
 @dataclass
@@ -269,8 +270,10 @@ def _attend_part(q, k_cache, v_cache, part: _Part, block_size: int, scale, softc
     mask = part.mask  # [B, 1, Qmax, L]
     if part.unmasked_len is not None:  # every row sees exactly its first keys: no mask, SDPA's fast path
         k, v, mask = k[:, :, : part.unmasked_len], v[:, :, : part.unmasked_len], None
-    elif Qmax > 1 and g > 1:
-        mask = mask[:, :, None].expand(B, 1, g, Qmax, mask.shape[-1]).reshape(B, 1, g * Qmax, -1)
+    elif Qmax > 1 and g > 1:  # built by the first layer, reused by the others
+        if g not in part.folded_masks:
+            part.folded_masks[g] = mask[:, :, None].expand(B, 1, g, Qmax, mask.shape[-1]).reshape(B, 1, g * Qmax, -1)
+        mask = part.folded_masks[g]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, g*Qmax, D]
     return o.view(B, Hkv, g, Qmax, D).permute(0, 3, 1, 2, 4).reshape(B, Qmax, Hq, D)
 
