@@ -1,0 +1,42 @@
+"""Model resolution from every kind of source, and sliding-window blocks going back to the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab import LLM, SamplingParams
+from kvlab.models import load_model, packaged_gguf, resolve
+
+
+@pytest.mark.model
+def test_local_folder_and_gguf_path_load_the_same_model(load_reference):
+    ref = load_reference("smollm2-135m")
+    gguf = packaged_gguf("smollm2-135m")
+    folder = resolve(str(gguf))  # a .gguf path converts (once) into the cache folder
+    assert folder == resolve("smollm2-135m")
+    local = load_model(str(folder))  # a local Hugging Face folder
+    assert type(local.model) is type(ref.model)
+    assert local.tokenizer("The capital of France is")["input_ids"] == ref.tokenizer("The capital of France is")["input_ids"]
+
+
+def test_random_model_from_a_config_shape():
+    loaded = load_model("random:llama-tiny")
+    assert loaded.tokenizer is None and loaded.model.config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="unknown random model shape 'nope'; known: .*llama-1b"):
+        load_model("random:nope")
+
+
+def test_sliding_window_blocks_go_back_to_the_pool():
+    # gemma3-tiny: 5 sliding layers (window 8) + 1 full layer; one 60-token prompt at block size 4
+    llm = LLM("random:gemma3-tiny", block_size=4, kv_cache_memory="1MiB")
+    full, sliding = llm.engine.block_manager.allocators
+    assert llm.engine.block_manager.groups[1].sliding_window == 8
+    seq = llm.engine.make_sequence(list(range(3, 63)), SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.add_sequence(seq)
+    llm.engine.step()  # prefills all 60 tokens
+    live = [b for b in sliding.block_table(seq.seq_id) if b >= 0]
+    assert full.num_used_blocks == 15  # every token is kept for the full-attention layer
+    assert len(live) <= 3 and sliding.num_used_blocks == len(live)  # only the window (+ a partial block) stays
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert full.num_free_blocks == full.num_blocks and sliding.num_free_blocks == sliding.num_blocks
