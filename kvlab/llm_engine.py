@@ -26,7 +26,7 @@ from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
 from kvlab.sampler import sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
-from kvlab.sequence import Sequence, SequenceStatus
+from kvlab.sequence import Sequence
 
 
 def layer_groups(config) -> list[LayerGroup]:
@@ -49,7 +49,6 @@ class LLMEngine:
         load_plugins()
         self.config = config
         # resolve every plugin before the (slow) model load so bad names fail at once
-        self.allocator_cls = ALLOCATORS.get(config.allocator)
         ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
@@ -234,6 +233,3 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
-
-    def is_done(self, seq: Sequence) -> bool:
-        return seq.status is SequenceStatus.FINISHED
