@@ -50,7 +50,6 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         bm = self.block_manager
-        num_groups = len(bm.groups)
         ids: list[int] = []
         positions: list[int] = []
         cu_seqlens = [0]
@@ -75,7 +74,7 @@ class ModelRunner:
             elif end == seq.num_tokens:
                 sample_rows.append((seq, len(keep)))
                 keep.append(offset + n - 1)
-        tables = [[bm.allocators[g].block_table(seq.seq_id) for seq in batch.seqs] for g in range(num_groups)]
+        tables = [[a.block_table(seq.seq_id) for seq in batch.seqs] for a in bm.allocators]  # per group
         plans = [
             ops.plan_paged_attention(cu_seqlens, seq_lens, tables[g], bm.block_size, group.sliding_window,
                                      self.device)

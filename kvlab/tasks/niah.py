@@ -69,7 +69,6 @@ class NeedleInAHaystack(Task):
         return datasets.Dataset.from_list(rows)
 
     def run(self, llm, ctx: RunContext) -> Result:
-        import pandas as pd
 
         from kvlab import SamplingParams
 
