@@ -41,13 +41,23 @@ class BlockManager:
     def capacity_error(self, seq: Sequence) -> str | None:
         """Why `seq` could never run alone in this pool, or None."""
         a = self.primary_allocator
-        need = a.blocks_for(max(a.reservation(seq.num_tokens, seq.max_len), seq.max_len))
-        if need > a.usable_blocks:
-            reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
-            return (f"request needs {need} blocks of {self.block_size} tokens ({seq.num_prompt_tokens} prompt + "
-                    f"{seq.max_len - seq.num_prompt_tokens} new), but the KV pool has only {a.usable_blocks}{reserve}; "
-                    f"raise kv_cache_memory or lower max_tokens / max_model_len")
-        return None
+        reserved = a.reservation(seq.num_tokens, seq.max_len)
+        need = a.blocks_for(max(reserved, seq.max_len))
+        if need <= a.usable_blocks:
+            return None
+        if reserved > seq.max_len:
+            what = (f"the {getattr(type(a), 'registry_name', type(a).__name__)} allocator reserves "
+                    f"max_model_len = {reserved} tokens for every request")
+            fix = "raise kv_cache_memory or lower max_model_len"
+        elif seq.is_scoring:
+            what = f"{seq.score_from} context + {seq.num_tokens - seq.score_from} continuation tokens"
+            fix = "raise kv_cache_memory or shorten the context"
+        else:
+            what = f"{seq.num_prompt_tokens} prompt + {seq.max_len - seq.num_prompt_tokens} new"
+            fix = "raise kv_cache_memory or lower max_tokens / max_model_len"
+        reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
+        return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
+                f"{a.usable_blocks}{reserve}; {fix}")
 
     # -- state machine -------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:

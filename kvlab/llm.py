@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence as Seq
 
 from kvlab.engine_config import EngineConfig
-from kvlab.llm_engine import LLMEngine
+from kvlab.llm_engine import LLMEngine, as_token_ids
 from kvlab.models import LoadedModel
 from kvlab.outputs import RequestOutput, ScoreOutput
 from kvlab.sampling_params import SamplingParams
@@ -33,9 +34,12 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        Every request is validated before any runs, so a bad one raises (naming
-        it) without leaving the batch half done.
+        A prompt is a string or token ids (a list, tuple, 1-D tensor or numpy array of integers).
+        All or nothing: every request is validated before any is queued, so a bad one raises
+        (naming it) and nothing runs; if a step fails, this call's requests are aborted, their
+        pages freed, and the engine stays usable.
         """
+        self._check_idle()
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         seqs = []
@@ -44,51 +48,66 @@ class LLM:
                 seqs.append(self.engine.make_sequence(self._encode(prompt), p))
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"prompt {i}: {exc}") from None
-        for seq in seqs:
-            self.engine.add_sequence(seq)
         return self._run(seqs, use_tqdm)
 
     def score(self, contexts: Prompt | Seq[Prompt], continuations: Prompt | Seq[Prompt],
               return_dists: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
         """Log-probability of each continuation token given its context, teacher-forced.
 
-        The context is prefilled first (the cache policy sees all of it), then
-        the continuation is computed and scored.
+        The context is prefilled first (the cache policy sees all of it), then the continuation
+        is computed and scored: exactly one log-prob (and, with `return_dists`, one [vocab]
+        log-prob row) per continuation token, whatever preemption happens on the way. An empty
+        context is scored from the model's BOS token (an error if the model has none).
         """
+        self._check_idle()
         contexts, continuations = self._as_list(contexts), self._as_list(continuations)
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
         seqs = []
         for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
-            ctx_ids, cont_ids = self._encode(ctx), self._encode(cont, special=False)
-            if not cont_ids:
-                raise ValueError(f"continuation {i} is empty")
             try:
-                seqs.append(self.engine.make_sequence(ctx_ids + cont_ids, SamplingParams(max_tokens=1),
-                                                      score_from=len(ctx_ids)))
-            except ValueError as exc:
-                raise ValueError(f"context {i}: {exc}") from None
-        for seq in seqs:
-            self.engine.add_sequence(seq, return_dists=return_dists)
-        return self._run(seqs, use_tqdm)
+                seqs.append(self.engine.make_scoring_sequence(self._encode(ctx), self._encode(cont, special=False)))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request {i}: {exc}") from None
+        return self._run(seqs, use_tqdm, return_dists)
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list:
-        """Step the engine until every one of `seqs` is done; their outputs in order."""
-        wanted = {s.seq_id for s in seqs}
+    def _check_idle(self) -> None:
+        n = self.engine.num_unfinished()
+        if n:
+            raise RuntimeError(
+                f"the engine has {n} unfinished request(s) queued through llm.engine.add_request; finish them "
+                f"with llm.engine.step() (or llm.engine.abort(id)) before calling generate/score, whose outputs "
+                f"would otherwise be mixed with theirs"
+            )
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool, return_dists: bool = False) -> list:
+        """Queue `seqs`, step the engine until every one is done; their outputs in order.
+
+        On any failure (an exception in a step, KeyboardInterrupt) the requests of this call
+        that have not finished are aborted, so their pages go back to the pool.
+        """
         done: dict[int, RequestOutput | ScoreOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs), desc="requests")
-        while len(done) < len(seqs):
-            for out in self.engine.step():
-                if out.request_id in wanted:
+        try:
+            for seq in seqs:
+                self.engine.add_sequence(seq, return_dists=return_dists)
+            while len(done) < len(seqs):
+                for out in self.engine.step():
                     done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
-        if bar is not None:
-            bar.close()
+        except BaseException:
+            for seq in seqs:
+                if seq.seq_id not in done:
+                    self.engine.abort(seq.seq_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[s.seq_id] for s in seqs]
 
     # -- metrics -------------------------------------------------------------
@@ -102,7 +121,8 @@ class LLM:
     # -- helpers -------------------------------------------------------------
     @staticmethod
     def _as_list(prompts) -> list:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """One prompt (a string or token ids) or a sequence of them -> a list of prompts."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -125,4 +145,12 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (random weights): pass token ids")
             return self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
-        return list(prompt)
+        return as_token_ids(prompt)
+
+
+def _is_token_ids(x) -> bool:
+    """One prompt of token ids: a 1-D tensor / array, or a non-empty list / tuple of numbers
+    (non-integers among them are then rejected by `as_token_ids`, never truncated)."""
+    if hasattr(x, "ndim") and hasattr(x, "tolist"):
+        return x.ndim == 1
+    return isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], numbers.Number)

@@ -9,7 +9,10 @@ wires the plugins named in the config (allocator, policy, quantisation format).
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
+import warnings
 
 import torch
 
@@ -23,7 +26,7 @@ from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import RequestOutput, ScoreOutput
 from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
-from kvlab.sampler import sample
+from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
@@ -44,6 +47,24 @@ def layer_groups(config) -> list[LayerGroup]:
     return groups
 
 
+def as_token_ids(ids) -> list[int]:
+    """Token ids from a list, tuple, 1-D tensor or numpy array of integers; anything else is an error."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"expected token ids, got a string {ids!r}: encode it with the tokenizer first")
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # torch tensor, numpy array
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"token ids must be one-dimensional, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise TypeError(f"expected a sequence of token ids, got {type(ids).__name__}") from None
+    for t in ids:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"token ids must be integers, got {t!r}")
+    return [int(t) for t in ids]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         load_plugins()
@@ -54,7 +75,7 @@ class LLMEngine:
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
         if config.draft is not None:
             raise NotImplementedError(
-                f"draft {config.draft!r}: speculative decoding is not in the engine yet (see ROADMAP.md)"
+                f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
             )
         ops.set_backend(config.kernel_backend)
         dtype = getattr(torch, config.dtype)
@@ -68,6 +89,11 @@ class LLMEngine:
         mc = self.model.config
         self.model_config = mc
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            warnings.warn(f"max_model_len={config.max_model_len} is longer than the model's context of "
+                          f"{mc.max_position_embeddings} tokens; using {mc.max_position_embeddings}", stacklevel=3)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        self.bos_token_id = bos if bos is not None else getattr(mc, "bos_token_id", None)
         eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
 
@@ -99,100 +125,156 @@ class LLMEngine:
         return Metrics(pool_slots=bm.num_blocks * bm.block_size, num_blocks=bm.num_blocks)
 
     # -- requests ------------------------------------------------------------
-    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
+    def make_sequence(self, prompt_token_ids, params: SamplingParams, arrival_time: float | None = None,
                       score_from: int | None = None) -> Sequence:
-        """Validate a request and build its sequence, without queueing it."""
+        """Validate a request and build its sequence, without queueing it.
+
+        `prompt_token_ids`: a list, tuple, 1-D tensor or numpy array of integer ids. `arrival_time`:
+        a `time.perf_counter()` reading (the engine's clock), default now. Scoring requests pass
+        context + continuation as the prompt and the context length as `score_from`.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = as_token_ids(prompt_token_ids)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        prompt_len = len(ids) if score_from is None else score_from
-        if len(ids) > self.max_model_len or (score_from is None and prompt_len >= self.max_model_len):
+        if score_from is None and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
                 f"(it must leave room for at least one new token)"
             )
+        if score_from is not None and len(ids) > self.max_model_len:
+            raise ValueError(f"context + continuation of {len(ids)} tokens does not fit the model's context of "
+                             f"{self.max_model_len} tokens")
+        now = time.perf_counter()
+        if arrival_time is None:
+            arrival_time = now
+        elif not isinstance(arrival_time, numbers.Real) or isinstance(arrival_time, bool) \
+                or not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time must be a number (a time.perf_counter() reading), got {arrival_time!r}")
+        elif arrival_time > now + 1.0:
+            raise ValueError(f"arrival_time {arrival_time} is in the future of time.perf_counter() ({now:.3f}): "
+                             f"the engine's clock is time.perf_counter(), not time.time()")
+        prompt_len = len(ids) if score_from is None else score_from
         max_len = len(ids) if score_from is not None else min(prompt_len + params.max_tokens, self.max_model_len)
         seq_id, self._next_id = self._next_id, self._next_id + 1
-        seq = Sequence(seq_id, ids, params, max_len,
-                       time.perf_counter() if arrival_time is None else arrival_time, score_from)
+        seq = Sequence(seq_id, ids, params, max_len, float(arrival_time), score_from)
         error = self.block_manager.capacity_error(seq)
         if error:
             raise ValueError(error)
         return seq
 
+    def make_scoring_sequence(self, context_ids, continuation_ids) -> Sequence:
+        """A teacher-forced scoring request; an empty context is scored from the model's BOS token."""
+        ctx, cont = as_token_ids(context_ids), as_token_ids(continuation_ids)
+        if not cont:
+            raise ValueError("the continuation is empty: there is nothing to score")
+        if not ctx:
+            if self.bos_token_id is None:
+                raise ValueError("the context is empty and the model has no BOS token to score the first "
+                                 "continuation token from: give at least one context token")
+            ctx = [self.bos_token_id]
+        return self.make_sequence(ctx + cont, SamplingParams(max_tokens=1), score_from=len(ctx))
+
     def add_sequence(self, seq: Sequence, return_dists: bool = False) -> int:
         if not seq.params.greedy:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(seq.params.seed if seq.params.seed is not None else self.config.seed * 1_000_003 + seq.seq_id)
-            self._generators[seq.seq_id] = g
+            self._generators[seq.seq_id] = request_generator(self.config.seed, seq.seq_id, seq.params.seed)
         if return_dists:
             self._return_dists.add(seq.seq_id)
         self.metrics.begin()
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt_token_ids, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> int:
-        """Queue a generation request; raises ValueError (naming the problem) if it can never run."""
+        """Queue a generation request; raises ValueError (naming the problem) if it can never run.
+
+        `arrival_time` is a `time.perf_counter()` reading (default: now); TTFT counts from it.
+        """
         return self.add_sequence(self.make_sequence(prompt_token_ids, params or SamplingParams(), arrival_time))
+
+    def abort(self, request_id: int) -> bool:
+        """Stop an unfinished request and free its pages; False if it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        seq.finish_time = time.perf_counter()
+        self._generators.pop(seq.seq_id, None)
+        self._return_dists.discard(seq.seq_id)
+        self.metrics.discard(seq.seq_id)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput | ScoreOutput]:
-        """Run one engine step; returns the outputs of the requests that finished in it."""
+        """Run one engine step; returns the outputs of the requests that finished in it.
+
+        If the step fails (the model or the sampler raises), its sequences give their pages back and
+        wait to be recomputed, so the engine stays usable; the exception propagates (abort the
+        requests that caused it, or they fail again).
+        """
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
             return []
-        out = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+        try:
+            out = self.runner.run(batch)
+            tokens = self._sample(out)
+        except BaseException:
+            self.scheduler.unschedule(batch)
+            raise
+        self.scheduler.advance(batch)
         self._record_step(batch.num_preempted)
-        finished = self._postprocess(out)
+        finished = self._postprocess(out, tokens)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
-        return [self.make_output(seq) for seq in finished]
+        outputs = [self.make_output(seq) for seq in finished]
+        self.metrics.add_busy(time.perf_counter() - t0)
+        return outputs
 
     def make_output(self, seq: Sequence) -> RequestOutput | ScoreOutput:
         if seq.is_scoring:
             dists = torch.stack(seq.dists) if seq.dists else None
-            return ScoreOutput(seq.seq_id, seq.logprobs, dists)
+            return ScoreOutput(seq.seq_id, seq.logprobs, dists, seq.num_preemptions)
         tok = self.tokenizer
         text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        n = seq.num_output_tokens
-        tpot = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else None
         return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, ttft, tpot, seq.num_preemptions)
+                             seq.finish_reason, seq.ttft, seq.tpot, seq.num_preemptions)
 
-    def _postprocess(self, out) -> list[Sequence]:
+    def _sample(self, out) -> list[int]:
+        """One token per sampling row (nothing is appended yet: a failure here leaves every sequence as it was)."""
+        if not out.sample_rows:
+            return []
+        rows = torch.tensor([r for _, r in out.sample_rows])
+        seqs = [s for s, _ in out.sample_rows]
+        return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
+
+    def _postprocess(self, out, tokens: list[int]) -> list[Sequence]:
         now = time.perf_counter()
         finished: list[Sequence] = []
-        if out.sample_rows:
-            rows = torch.tensor([r for _, r in out.sample_rows])
-            seqs = [s for s, _ in out.sample_rows]
-            tokens = sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
-            for seq, token in zip(seqs, tokens):
-                seq.token_ids.append(token)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason = self._stop_reason(seq, token)
-                if reason:
-                    finished.append(self._finish(seq, reason, now))
+        for (seq, _), token in zip(out.sample_rows, tokens):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                finished.append(self._finish(seq, reason, now))
         for seq, rows, targets in out.score_rows:
             logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
             seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
             if seq.seq_id in self._return_dists:
                 seq.dists.extend(logp)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.is_fully_scored:
                 finished.append(self._finish(seq, "scored", now))
         return finished
 
@@ -209,10 +291,9 @@ class LLMEngine:
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
         n_out = seq.num_output_tokens if not seq.is_scoring else 0
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        tpot = (now - seq.first_token_time) / (n_out - 1) if n_out > 1 else None
         # the final length in the cache: the last sampled token is never written
-        self.metrics.record_finish(seq.seq_id, seq.num_computed_tokens, seq.num_prompt_tokens, n_out, ttft, tpot)
+        self.metrics.record_finish(seq.seq_id, seq.num_computed_tokens, seq.num_prompt_tokens, n_out, seq.ttft,
+                                   seq.tpot)
         return seq
 
     def _record_step(self, num_preempted: int) -> None:

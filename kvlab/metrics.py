@@ -11,17 +11,24 @@ et al. 2023 (arXiv:2309.06180, §3), averaged over steps:
   (holes smaller than its contiguous reservation; zero for paging).
 
 A sequence's final length is only known when it finishes, so its per-step
-(allocated, written) pairs are kept until then.
+(allocated, written) pairs are kept until then; after that only running totals
+remain, so memory stays bounded however long the engine runs. Latencies keep
+the most recent `window` values.
+
+Throughput is per second of engine work (`busy_s`: time spent inside
+`step()`), so idle time between calls does not dilute it; `elapsed_s` is the
+wall time from the first request to the last event.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values, q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
@@ -34,39 +41,53 @@ def _percentile(values: list[float], q: float) -> float:
 class Metrics:
     pool_slots: int
     num_blocks: int
+    window: int = 10_000  # latency values kept (the most recent)
     start_time: float | None = None
     end_time: float | None = None
+    busy_s: float = 0.0  # seconds spent inside engine steps
     num_steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     num_requests: int = 0
     preemptions: int = 0
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
-    blocks_used: list[int] = field(default_factory=list)
-    concurrent: list[int] = field(default_factory=list)
-    external: list[int] = field(default_factory=list)
-    internal: list[float] = field(default_factory=list)
-    reservation: list[float] = field(default_factory=list)
-    _live: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # seq -> [(step, alloc, written)]
+    blocks_peak: int = 0
+    blocks_sum: int = 0
+    concurrent_peak: int = 0
+    concurrent_sum: int = 0
+    external_sum: int = 0
+    internal_sum: float = 0.0  # settled (finished sequences) waste, summed over steps
+    reservation_sum: float = 0.0
+    group_blocks_peak: dict[str, int] = field(default_factory=dict)  # per layer group
+    group_blocks_sum: dict[str, int] = field(default_factory=dict)
+    ttft: deque = field(default_factory=deque)
+    tpot: deque = field(default_factory=deque)
+    _live: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # seq -> [(allocated, written)]
+
+    def __post_init__(self) -> None:
+        self.ttft, self.tpot = deque(self.ttft, maxlen=self.window), deque(self.tpot, maxlen=self.window)
 
     def begin(self, now: float | None = None) -> None:
         if self.start_time is None:
             self.start_time = time.perf_counter() if now is None else now
 
+    def add_busy(self, seconds: float) -> None:
+        self.busy_s += seconds
+
     def record_step(self, blocks_used: int, running: list[tuple[int, int, int]], external_free: int,
-                    num_preempted: int) -> None:
+                    num_preempted: int, group_blocks: dict[str, int] | None = None) -> None:
         """running: (seq_id, allocated slots, written slots) for every sequence holding blocks."""
-        step = self.num_steps
         self.num_steps += 1
-        self.blocks_used.append(blocks_used)
-        self.concurrent.append(len(running))
-        self.external.append(external_free)
-        self.internal.append(0.0)
-        self.reservation.append(0.0)
+        self.blocks_peak = max(self.blocks_peak, blocks_used)
+        self.blocks_sum += blocks_used
+        self.concurrent_peak = max(self.concurrent_peak, len(running))
+        self.concurrent_sum += len(running)
+        self.external_sum += external_free
         self.preemptions += num_preempted
+        for name, used in (group_blocks or {}).items():
+            self.group_blocks_peak[name] = max(self.group_blocks_peak.get(name, 0), used)
+            self.group_blocks_sum[name] = self.group_blocks_sum.get(name, 0) + used
         for seq_id, allocated, written in running:
-            self._live.setdefault(seq_id, []).append((step, allocated, written))
+            self._live.setdefault(seq_id, []).append((allocated, written))
         self.end_time = time.perf_counter()
 
     def record_finish(self, seq_id: int, final_len: int, num_prompt: int, num_generated: int,
@@ -78,30 +99,27 @@ class Metrics:
             self.ttft.append(ttft)
         if tpot is not None:
             self.tpot.append(tpot)
-        self._settle(seq_id, final_len)
+        internal, reservation = _waste(self._live.pop(seq_id, ()), final_len)
+        self.internal_sum += internal
+        self.reservation_sum += reservation
         self.end_time = time.perf_counter()
 
-    def _settle(self, seq_id: int, final_len: int, internal: list[float] | None = None,
-                reservation: list[float] | None = None) -> None:
-        """Split a sequence's per-step holdings into internal / reservation waste, given its final length."""
-        history = self._live.pop(seq_id, ()) if internal is None else self._live.get(seq_id, ())
-        internal = self.internal if internal is None else internal
-        reservation = self.reservation if reservation is None else reservation
-        for step, allocated, written in history:
-            internal[step] += max(0, allocated - max(final_len, written))
-            reservation[step] += max(0, min(allocated, final_len) - written)
+    def discard(self, seq_id: int) -> None:
+        """Forget an aborted sequence's history (it never finished, so it has no final length)."""
+        self._live.pop(seq_id, None)
 
     def summary(self, live_lengths: dict[int, int] | None = None) -> dict:
-        internal, reservation = list(self.internal), list(self.reservation)
+        internal, reservation = self.internal_sum, self.reservation_sum
         for seq_id, length in (live_lengths or {}).items():  # unfinished: judged by their length so far
-            self._settle(seq_id, length, internal, reservation)
+            i, r = _waste(self._live.get(seq_id, ()), length)
+            internal, reservation = internal + i, reservation + r
         steps = max(self.num_steps, 1)
         elapsed = (self.end_time - self.start_time) if self.start_time and self.end_time else float("nan")
-        frac = lambda xs: sum(xs) / steps / self.pool_slots  # noqa: E731
-        return {
-            "tokens_per_s": self.generated_tokens / elapsed if elapsed and elapsed > 0 else float("nan"),
+        out = {
+            "tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s > 0 else float("nan"),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
+            "busy_s": self.busy_s,
             "elapsed_s": elapsed,
             "num_requests": self.num_requests,
             "num_steps": self.num_steps,
@@ -110,12 +128,25 @@ class Metrics:
             "tpot_median_s": statistics.median(self.tpot) if self.tpot else float("nan"),
             "tpot_p90_s": _percentile(self.tpot, 0.9),
             "kv_blocks_total": self.num_blocks,
-            "kv_blocks_peak": max(self.blocks_used, default=0),
-            "kv_blocks_mean": sum(self.blocks_used) / steps,
-            "waste_internal": frac(internal),
-            "waste_reservation": frac(reservation),
-            "waste_external": frac(self.external),
+            "kv_blocks_peak": self.blocks_peak,
+            "kv_blocks_mean": self.blocks_sum / steps,
+            "waste_internal": internal / steps / self.pool_slots,
+            "waste_reservation": reservation / steps / self.pool_slots,
+            "waste_external": self.external_sum / steps / self.pool_slots,
             "preemptions": self.preemptions,
-            "max_concurrent_seqs": max(self.concurrent, default=0),
-            "mean_concurrent_seqs": sum(self.concurrent) / steps,
+            "max_concurrent_seqs": self.concurrent_peak,
+            "mean_concurrent_seqs": self.concurrent_sum / steps,
         }
+        for name in self.group_blocks_peak:
+            out[f"kv_blocks_peak/{name}"] = self.group_blocks_peak[name]
+            out[f"kv_blocks_mean/{name}"] = self.group_blocks_sum[name] / steps
+        return out
+
+
+def _waste(history, final_len: int) -> tuple[float, float]:
+    """(internal, reservation) slot-steps of one sequence's (allocated, written) history, given its final length."""
+    internal = reservation = 0
+    for allocated, written in history:
+        internal += max(0, allocated - max(final_len, written))
+        reservation += max(0, min(allocated, final_len) - written)
+    return internal, reservation

@@ -64,8 +64,8 @@ class ModelRunner:
             offset = cu_seqlens[-1]
             cu_seqlens.append(offset + n)
             seq_lens.append(end)
-            if seq.is_scoring:
-                lo = max(start, seq.score_from - 1)
+            if seq.is_scoring:  # rows whose next token is a target not scored yet (none twice after a preemption)
+                lo = max(start, seq.score_from - 1 + seq.num_scored_tokens)
                 hi = min(end, seq.num_tokens - 1)
                 if hi > lo:
                     rows = list(range(len(keep), len(keep) + hi - lo))

@@ -24,3 +24,4 @@ class ScoreOutput:
     request_id: int
     logprobs: list[float]  # log p(continuation[i] | context, continuation[:i])
     dists: torch.Tensor | None = None  # with return_dists: [len(continuation), vocab] log-probs
+    num_preemptions: int = 0

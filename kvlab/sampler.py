@@ -7,6 +7,25 @@ import torch
 from kvlab.sampling_params import SamplingParams
 
 
+def request_generator(engine_seed: int, request_id: int, seed: int | None) -> torch.Generator:
+    """The random stream of one sampled request.
+
+    A user seed `s` and an engine-assigned stream (engine seed, request id) are
+    hashed in different domains of numpy's SeedSequence (spawn keys (0,) and
+    (1, request_id)), so no user seed can reproduce an unseeded request's
+    stream, and two unseeded requests never share one; requests that share a
+    user seed share a stream.
+    """
+    import numpy as np
+
+    if seed is not None:
+        seq = np.random.SeedSequence(seed, spawn_key=(0,))
+    else:
+        seq = np.random.SeedSequence(engine_seed, spawn_key=(1, request_id))
+    state = int(seq.generate_state(1, np.uint64)[0]) & (2**63 - 1)
+    return torch.Generator(device="cpu").manual_seed(state)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] float -> one token per row.
 
@@ -18,8 +37,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
-        probs = _filtered_probs(logits[idx].float() / temps[:, None], [params[i] for i in rows])
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float64)
+        sub = logits[idx].double()  # [R, V]
+        # shift by the row max and divide in float64: any positive temperature, however small,
+        # leaves the best token at 0 and the rest <= 0 (at worst -inf), never NaN
+        sub = ((sub - sub.max(dim=-1, keepdim=True).values) / temps[:, None]).float()
+        probs = _filtered_probs(sub, [params[i] for i in rows])
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
     return tokens.tolist()

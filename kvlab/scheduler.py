@@ -84,12 +84,27 @@ class Scheduler:
                 return False
         return True
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step ran: each scheduled sequence now has its `n` new tokens in the cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+
     def preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+
+    def unschedule(self, batch: ScheduledBatch) -> None:
+        """The step failed before its results were kept: every scheduled sequence gives its pages back
+        and waits to be recomputed from scratch (its tokens and scores so far are kept)."""
+        for seq in reversed(batch.seqs):
+            if seq.status is SequenceStatus.RUNNING:
+                self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -97,3 +112,17 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop an unfinished request wherever it is, freeing its pages; the sequence, or None if unknown."""
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self.finish(seq, "abort")
+                return seq
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                return seq
+        return None

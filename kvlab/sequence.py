@@ -52,8 +52,36 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV the request needs: all of them, except a scoring request's last token
+        (its log-probability comes from the token before; nothing reads its own KV)."""
+        return len(self.token_ids) - 1 if self.score_from is not None else len(self.token_ids)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens_to_compute - self.num_computed_tokens
+
+    @property
+    def num_scored_tokens(self) -> int:
+        """Continuation tokens whose log-probability is recorded (kept across preemptions)."""
+        return len(self.logprobs)
+
+    @property
+    def is_fully_scored(self) -> bool:
+        return self.score_from is not None and len(self.logprobs) == len(self.token_ids) - self.score_from
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival -> first generated token (seconds), once there is one."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (seconds), once finished with two or more."""
+        n = self.num_output_tokens
+        if self.finish_time is None or self.first_token_time is None or n < 2 or self.is_scoring:
+            return None
+        return (self.finish_time - self.first_token_time) / (n - 1)
 
     @property
     def is_scoring(self) -> bool:

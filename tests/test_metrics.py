@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -103,8 +104,8 @@ def test_summary_does_not_change_the_metrics():
     first = m.summary(live_lengths={0: 30})
     assert same(m.summary(live_lengths={0: 30}), first)
     assert same(m.summary(live_lengths={0: 30}), first)
-    assert m._live == {0: [(0, 100, 10)]}  # the live sequence's history is still there
-    assert m.internal == [11.0] and m.reservation == [0.0]  # only the finished one is settled
+    assert m._live == {0: [(100, 10)]}  # the live sequence's history is still there
+    assert m.internal_sum == 11 and m.reservation_sum == 0  # only the finished one is settled
     # ...so finishing it later counts it once, with its real final length
     m.record_finish(0, final_len=40, num_prompt=10, num_generated=30, ttft=None, tpot=None)
     assert m.summary()["waste_internal"] == pytest.approx((11 + 60) / 200)
@@ -123,7 +124,9 @@ def test_summary_counts_and_block_usage():
     assert s["max_concurrent_seqs"] == 3 and s["mean_concurrent_seqs"] == 2
     assert s["preemptions"] == 2
     assert s["ttft_median_s"] == 0.2 and s["tpot_median_s"] == 0.05
-    assert s["elapsed_s"] > 0 and s["tokens_per_s"] == pytest.approx(2 / s["elapsed_s"])
+    assert s["elapsed_s"] > 0 and math.isnan(s["tokens_per_s"])  # no busy time recorded yet
+    m.add_busy(0.5)
+    assert m.summary()["tokens_per_s"] == pytest.approx(2 / 0.5)
 
 
 def test_empty_metrics_summarise_without_dividing_by_zero():
@@ -161,3 +164,27 @@ def test_summary_p90_uses_the_recorded_latencies():
     assert s["ttft_median_s"] == pytest.approx(0.3)
     assert s["ttft_p90_s"] == pytest.approx(0.46)
     assert s["tpot_median_s"] == pytest.approx(0.07) and s["tpot_p90_s"] == pytest.approx(0.07)
+
+
+def test_throughput_counts_busy_time_not_idle_time_between_calls():
+    m = metrics()
+    m.add_busy(1.0)
+    m.record_finish(0, final_len=11, num_prompt=1, num_generated=10, ttft=None, tpot=None)
+    m.end_time = m.start_time + 100.0  # a long pause, then a second call
+    m.add_busy(1.0)
+    m.record_finish(1, final_len=11, num_prompt=1, num_generated=10, ttft=None, tpot=None)
+    s = m.summary()
+    assert s["tokens_per_s"] == pytest.approx(20 / 2.0) and s["busy_s"] == pytest.approx(2.0)
+
+
+def test_memory_stays_bounded_over_many_steps_and_requests():
+    m = Metrics(pool_slots=64, num_blocks=4, window=100)
+    m.begin(now=0.0)
+    for i in range(5000):
+        m.record_step(blocks_used=i % 4, running=[(i, 16, 4)], external_free=0, num_preempted=0)
+        m.record_finish(i, final_len=5, num_prompt=4, num_generated=1, ttft=float(i), tpot=None)
+    assert len(m.ttft) == 100 and not m._live  # a bounded window of latencies, no per-step lists
+    s = m.summary()
+    assert s["ttft_median_s"] == pytest.approx(statistics.median(range(4900, 5000)))
+    assert s["kv_blocks_peak"] == 3 and s["kv_blocks_mean"] == pytest.approx(1.5)
+    assert s["waste_internal"] == pytest.approx(11 / 64)

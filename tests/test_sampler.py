@@ -148,6 +148,6 @@ def test_sampling_params_reject_bad_values(kwargs, message):
 
 
 def test_sampling_params_defaults_and_edges_are_accepted():
-    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=[3, 4.0])
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=[3, 4])
     assert p.greedy and p.stop_token_ids == (3, 4)
     assert not SamplingParams(temperature=1e-3).greedy
