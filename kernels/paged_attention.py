@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 
 from kvlab.kernels import _checks as C
-from kvlab.kernels.reference.paged_attention import AttentionPlan, plan_paged_attention
+from kvlab.attention_plan import AttentionPlan, memo, plan_paged_attention
 from kvlab.kernels.triton_kernels.attention_stats import attention_stats_kernel
 from kvlab.kernels.triton_kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
 
@@ -54,9 +54,10 @@ class _Tiles:
 
 
 def _device_batch(plan: AttentionPlan) -> _DeviceBatch:
-    cached = plan.cache.get("triton")
-    if cached is not None:
-        return cached
+    return memo(plan, "triton.batch", _build_device_batch)
+
+
+def _build_device_batch(plan: AttentionPlan) -> _DeviceBatch:
     dev = plan.device
     tables = plan.block_tables
     if isinstance(tables, torch.Tensor):
@@ -74,15 +75,18 @@ def _device_batch(plan: AttentionPlan) -> _DeviceBatch:
         decode_rows=[b for b, n in enumerate(q_lens) if n == 1],
         extend_rows=[b for b, n in enumerate(q_lens) if n > 1],
     )
-    plan.cache["triton"] = batch
     return batch
 
 
 def _tiles(plan: AttentionPlan, rows: list[int], block_q: int) -> _Tiles:
-    key = ("triton_tiles", tuple(rows), block_q)
-    cached = plan.cache.get(key)
-    if cached is not None:
-        return cached
+    tiles = memo(plan, "triton.tiles", lambda _: {})  # (rows, block_q) -> _Tiles
+    key = (tuple(rows), block_q)
+    if key not in tiles:
+        tiles[key] = _build_tiles(plan, rows, block_q)
+    return tiles[key]
+
+
+def _build_tiles(plan: AttentionPlan, rows: list[int], block_q: int) -> _Tiles:
     seq, start, tokens = [], [], []
     cu = plan.cu_seqlens_q
     for b in rows:
@@ -92,9 +96,7 @@ def _tiles(plan: AttentionPlan, rows: list[int], block_q: int) -> _Tiles:
             start.append(s)
         tokens.extend(range(cu[b], cu[b + 1]))
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=plan.device)  # noqa: E731
-    tiles = _Tiles(as_t(seq), as_t(start), as_t(tokens), max(plan.seq_lens[b] for b in rows))
-    plan.cache[key] = tiles
-    return tiles
+    return _Tiles(as_t(seq), as_t(start), as_t(tokens), max(plan.seq_lens[b] for b in rows))
 
 
 @lru_cache(maxsize=None)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels.reference.paged_attention import AttentionPlan, attention_logits, plan_paged_attention
+from kvlab.attention_plan import AttentionPlan, plan_paged_attention
+from kvlab.kernels.reference.paged_attention import attention_logits, plan_parts
 from kvlab.kernels.reference.store_kv import dequantize_ref
 
 
@@ -41,7 +42,7 @@ def attention_stats_from_plan(
         out = torch.empty(B, Hkv, L_max, dtype=torch.float32, device=q.device)
     out.zero_()
     window = T if stats_window is None else stats_window
-    for part in plan.parts:
+    for part in plan_parts(plan):
         Bp = part.q_index.shape[0]
         L = part.blocks.shape[1] * plan.block_size
         qp = q[part.q_index].transpose(1, 2)  # [Bp, Hq, Qmax, D]

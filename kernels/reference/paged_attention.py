@@ -3,27 +3,13 @@
 PagedAttention (Kwon et al., arXiv:2309.06180): keys and values live in fixed-size
 blocks of a shared pool, read through a per-sequence block table.
 
-Every query token of sequence b sits at cache index `seq_lens[b] - q_len[b] + i`
-and attends causally to the cache indices before and at it (and, with a sliding
-window W, only to the last W of those). Keys and values are read through the
-block table: cache index j of sequence b lives in slot
-`block_tables[b][j // block_size] * block_size + j % block_size`.
-
-An optional tree mask restricts the step's new tokens further (SpecInfer token-tree
-verification, arXiv:2305.09781): `tree_mask[t, j]` says whether query token t of
-sequence b may see the j-th new token of b (cache index `seq_lens[b] - q_len[b] + j`).
-Tokens cached before the step are always visible; the causal rule still applies,
-so a tree must be laid out in topological order (ancestors first).
-
-The work is split in two steps so the engine can plan once per step and reuse
-the plan in every layer (flashinfer's plan()/run()):
+The batch layout (which cache indices each query sees, released pages, sliding
+window, tree mask) is described by `kvlab.attention_plan.AttentionPlan`, planned
+once per step by the engine; this backend derives its padded index tensors from
+the plan on first use and keeps them in a private memo, so all layers share them:
 
     plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, block_size, window)
     out  = run_paged_attention(q, k_cache, v_cache, plan, scale, softcap)
-
-The plan only records the batch layout; each backend derives what it needs on
-first use and caches it in the plan (`plan.parts` here, device index tensors
-for the Triton launcher), so all layers share that work.
 
 `paged_attention_ref` does both, with the same signature as the Triton launcher.
 Sequences are grouped into decode rows (one query) and extend rows (several);
@@ -34,13 +20,14 @@ a long prefill with many decodes does not pad every decode to the prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvlab.attention_plan import NULL_BLOCK, AttentionPlan, memo, plan_paged_attention
 from kvlab.kernels.reference.store_kv import dequantize_ref
+
+__all__ = ["AttentionPlan", "plan_paged_attention", "plan_parts", "run_paged_attention", "paged_attention_ref"]
 
 
 @dataclass
@@ -61,45 +48,25 @@ class _Part:
     folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # g -> mask with GQA groups folded in
 
 
-@dataclass
-class AttentionPlan:
-    """Per-step attention metadata for one layer group, shared by all its layers."""
+def plan_parts(plan: AttentionPlan) -> list[_Part]:
+    """Padded decode / extend groups of the torch path (built once per plan, shared by every layer)."""
+    return memo(plan, "torch.parts", _build_parts)
 
-    num_tokens: int
-    block_size: int
-    cu_seqlens_q: list[int] = field(default_factory=list)  # [B + 1]
-    seq_lens: list[int] = field(default_factory=list)  # [B]
-    block_tables: list[list[int]] | torch.Tensor = field(default_factory=list)  # [B][n_blocks]
-    sliding_window: int | None = None
-    tree_mask: torch.Tensor | None = None  # [T, >= max q_len] bool on `device`
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)  # backend-derived data, built once
 
-    @property
-    def q_lens(self) -> list[int]:
-        cu = self.cu_seqlens_q
-        return [cu[b + 1] - cu[b] for b in range(len(self.seq_lens))]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_lens)
-
-    @cached_property
-    def parts(self) -> list[_Part]:
-        """Padded decode / extend groups for the torch path (built on first use)."""
-        tables = self.block_tables
-        if isinstance(tables, torch.Tensor):
-            tables = tables.tolist()
-        tree = None if self.tree_mask is None else self.tree_mask.bool().cpu()
-        q_lens = self.q_lens
-        decode = [b for b, n in enumerate(q_lens) if n == 1]
-        extend = [b for b, n in enumerate(q_lens) if n > 1]
-        groups = _buckets(decode, self.seq_lens) + ([extend] if extend else [])
-        return [
-            _plan_part(rows, self.cu_seqlens_q, q_lens, self.seq_lens, tables, self.block_size,
-                       self.sliding_window, tree, self.device)
-            for rows in groups
-        ]
+def _build_parts(plan: AttentionPlan) -> list[_Part]:
+    tables = plan.block_tables
+    if isinstance(tables, torch.Tensor):
+        tables = tables.tolist()
+    tree = None if plan.tree_mask is None else plan.tree_mask.bool().cpu()
+    q_lens = plan.q_lens
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    extend = [b for b, n in enumerate(q_lens) if n > 1]
+    groups = _buckets(decode, plan.seq_lens) + ([extend] if extend else [])
+    return [
+        _plan_part(rows, plan.cu_seqlens_q, q_lens, plan.seq_lens, tables, plan.block_size,
+                   plan.sliding_window, tree, plan.device, plan.null_block)
+        for rows in groups
+    ]
 
 
 def _buckets(rows: list[int], seq_lens: list[int], slack: float = 0.25, min_rows: int = 8) -> list[list[int]]:
@@ -118,47 +85,10 @@ def _buckets(rows: list[int], seq_lens: list[int], slack: float = 0.25, min_rows
     return buckets
 
 
-def plan_paged_attention(
-    cu_seqlens_q: list[int],  # [B + 1] cumulative query lengths of the packed batch
-    seq_lens: list[int],  # [B] cache length of each sequence after this step's tokens
-    block_tables: list[list[int]] | torch.Tensor,  # [B][n_blocks] physical block ids (-1 = released)
-    block_size: int,
-    sliding_window: int | None = None,
-    device: torch.device | str = "cpu",
-    tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool: query t sees new token j of its sequence
-) -> AttentionPlan:
-    cu_seqlens_q = [int(x) for x in cu_seqlens_q]
-    seq_lens = [int(x) for x in seq_lens]
-    if len(cu_seqlens_q) != len(seq_lens) + 1:
-        raise ValueError(f"cu_seqlens_q has {len(cu_seqlens_q)} entries; expected len(seq_lens) + 1 = {len(seq_lens) + 1}")
-    for b, n in enumerate(seq_lens):
-        q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
-        if q_len < 0 or q_len > n:
-            raise ValueError(f"sequence {b}: query length {q_len} must be in [0, seq_len={n}]")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    device = torch.device(device)
-    if not isinstance(block_tables, torch.Tensor):  # snapshot: the allocator's lists change after the step
-        block_tables = [list(t) for t in block_tables]
-    if tree_mask is not None:
-        max_q = max((cu_seqlens_q[b + 1] - cu_seqlens_q[b] for b in range(len(seq_lens))), default=0)
-        if tree_mask.dim() != 2 or tree_mask.shape[0] != cu_seqlens_q[-1] or tree_mask.shape[1] < max_q:
-            raise ValueError(f"tree_mask must be [T={cu_seqlens_q[-1]}, >= {max_q}], got {tuple(tree_mask.shape)}")
-        tree_mask = tree_mask.to(device)
-    return AttentionPlan(
-        num_tokens=cu_seqlens_q[-1],
-        block_size=block_size,
-        cu_seqlens_q=cu_seqlens_q,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        sliding_window=sliding_window,
-        tree_mask=tree_mask,
-        device=device,
-    )
-
-
-def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, window, tree, device) -> _Part:
+def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, window, tree, device,
+               null_block=None) -> _Part:
     bs = block_size
+    pad = 0 if null_block is None else null_block  # padding and released entries point here (masked)
     q_max = max(q_lens[b] for b in rows)
     # first block any query of the row can see (sliding window drops the older ones)
     first = []
@@ -166,16 +96,21 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
         lo = 0 if window is None else max(0, seq_lens[b] - q_lens[b] - window + 1)
         first.append(lo // bs)
     nb_max = max(-(-seq_lens[b] // bs) - f for b, f in zip(rows, first))
-    blocks = torch.zeros(len(rows), nb_max, dtype=torch.int64)
+    blocks = torch.full((len(rows), nb_max), pad, dtype=torch.int64)
+    has_null = False
     key_index = torch.full((len(rows), nb_max * bs), -1, dtype=torch.int64)
     q_index = torch.zeros(len(rows), q_max, dtype=torch.int64)
     q_pos = torch.full((len(rows), q_max), -1, dtype=torch.int64)
     q_local = torch.full((len(rows), q_max), -1, dtype=torch.int64)
     for r, (b, f) in enumerate(zip(rows, first)):
         n_blk = -(-seq_lens[b] // bs) - f
-        table = block_tables[b][f : f + n_blk]
-        blocks[r, :n_blk] = torch.tensor(table, dtype=torch.int64).clamp_min(0)
+        table = torch.tensor(block_tables[b][f : f + n_blk], dtype=torch.int64)
+        released = table == NULL_BLOCK
+        blocks[r, :n_blk] = table.masked_fill(released, pad)
         key_index[r, : seq_lens[b] - f * bs] = torch.arange(f * bs, seq_lens[b])
+        if released.any():  # a released page is never attended to
+            has_null = True
+            key_index[r, : n_blk * bs].view(n_blk, bs)[released] = -1
         q_index[r, : q_lens[b]] = torch.arange(cu_seqlens_q[b], cu_seqlens_q[b + 1])
         q_pos[r, : q_lens[b]] = torch.arange(seq_lens[b] - q_lens[b], seq_lens[b])
         q_local[r, : q_lens[b]] = torch.arange(q_lens[b])
@@ -194,7 +129,7 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
     mask[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
     valid_rows = q_valid.view(-1).nonzero().view(-1)
     lens = {seq_lens[b] - f * bs for b, f in zip(rows, first)}
-    unmasked = q_max == 1 and window is None and tree is None and len(lens) == 1  # e.g. batch-1 decode
+    unmasked = q_max == 1 and window is None and tree is None and len(lens) == 1 and not has_null  # batch-1 decode
     return _Part(
         unmasked_len=lens.pop() if unmasked else None,
         valid_rows=valid_rows.to(device),
@@ -229,7 +164,7 @@ def run_paged_attention(
     (see kvlab.kernels.reference.attention_stats) as (out, stats)."""
     if out is None:
         out = q.new_empty(q.shape)  # [T, Hq, D]
-    for part in plan.parts:
+    for part in plan_parts(plan):
         o = _attend_part(q, k_cache, v_cache, part, plan.block_size, scale, softcap, k_scale, v_scale)
         o = o.reshape(-1, *o.shape[2:]).index_select(0, part.valid_rows)  # [n_valid, Hq, D]
         out.index_copy_(0, part.valid_tokens, o.to(out.dtype))
@@ -304,7 +239,7 @@ def paged_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64 (-1 = released / padding)
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64 (-1 = released / padding: never attended to)
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32/int64
     seq_lens: torch.Tensor,  # [B] int32/int64
     scale: float,

@@ -69,8 +69,10 @@ def attention_stats_kernel(
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
 
-    block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + j // PAGE, mask=key_valid, other=0)
-    block = tl.maximum(block.to(tl.int64), 0)
+    block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + j // PAGE, mask=key_valid, other=-1)
+    block = block.to(tl.int64)
+    key_valid = key_valid & (block >= 0)  # a released page (-1) is never read
+    block = tl.maximum(block, 0)
     k_off = block * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
     k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=key_valid[None, :] & d_valid[:, None], other=0.0)
     k_scale = 1.0

@@ -167,7 +167,8 @@ def paged_attention_kernel(
     for kt in range(t_begin, t_end):
         j = kt * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache indices
         key_valid = (j >= lo) & (j < hi)
-        block = tl.load(table + j // PAGE, mask=key_valid, other=0).to(tl.int64)
+        block = tl.load(table + j // PAGE, mask=key_valid, other=-1).to(tl.int64)
+        key_valid = key_valid & (block >= 0)  # a released page (-1) is never read
         block = tl.maximum(block, 0)
         in_page = j % PAGE
         k_off = block * stride_kb + in_page * stride_ks + kv_head * stride_kh  # [BLOCK_N]

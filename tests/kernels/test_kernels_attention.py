@@ -20,6 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvlab.kernels import ops  # noqa: E402
 from kvlab.kernels.paged_attention import attention_stats, paged_attention  # noqa: E402
 from kvlab.kernels.reference.attention_stats import attention_stats_ref  # noqa: E402
+from kvlab.attention_plan import _memos  # noqa: E402
 from kvlab.kernels.reference.paged_attention import paged_attention_ref, plan_paged_attention  # noqa: E402
 from kvlab.kernels.testing import CACHE_DTYPES, attention_tolerance, make_paged_batch  # noqa: E402
 
@@ -133,11 +134,11 @@ def test_ops_plan_is_reused_across_layers():
                                 bs, None, DEVICE)
     with ops.backend("triton"):
         first = ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
-        cached = dict(plan.cache)
+        cached = _memos["triton.batch"][plan]
         second, stats = ops.run_paged_attention(batch.q, batch.v_cache, batch.k_cache, plan, batch.scale,
                                                 return_stats=True, stats_window=1)
-    assert "parts" not in plan.__dict__  # the torch-only padded groups were never built
-    assert all(plan.cache[k] is v for k, v in cached.items())
+    assert plan not in _memos.get("torch.parts", {})  # the torch-only padded groups were never built
+    assert _memos["triton.batch"][plan] is cached  # built once, reused by the second layer
     with ops.backend("torch"):
         torch.testing.assert_close(first, ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale),
                                    **attention_tolerance(torch.float32))

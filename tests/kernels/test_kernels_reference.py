@@ -9,7 +9,8 @@ import torch
 
 from kvlab.kernels.reference.attention_stats import attention_stats_ref
 from kvlab.kernels.reference.block_ops import compact_slots_ref, copy_blocks_ref
-from kvlab.kernels.reference.paged_attention import paged_attention_ref, plan_paged_attention
+from kvlab.attention_plan import _memos
+from kvlab.kernels.reference.paged_attention import paged_attention_ref, plan_parts, plan_paged_attention
 from kvlab.kernels.reference.store_kv import dequantize_ref, store_kv_ref
 from kvlab.kernels.testing import CACHE_DTYPES, make_paged_batch, random_pool
 
@@ -87,9 +88,9 @@ def test_stats_rows_sum_to_counted_queries():
 
 def test_plan_parts_are_built_once_and_lazily():
     plan = plan_paged_attention([0, 1, 4], [5, 9], [[0, 1], [2, 3, 4]], 4)
-    assert "parts" not in plan.__dict__
-    assert plan.parts is plan.parts
-    assert [p.seq_rows for p in plan.parts] == [[0], [1]]
+    assert plan not in _memos.get("torch.parts", {})
+    assert plan_parts(plan) is plan_parts(plan)
+    assert [p.seq_rows for p in plan_parts(plan)] == [[0], [1]]
 
 
 def test_plan_rejects_query_longer_than_cache():
