@@ -4,8 +4,9 @@ The model's own forward runs on one packed ragged batch ([1, T] tokens from
 many sequences). Each attention layer hands us its new queries, keys and values
 (RoPE applied); we write the keys/values into the paged pool and attend
 through the block tables. Everything per step (slot mappings, attention plans)
-is planned once in `StepMetadata` and travels to every layer as the forward
-keyword `kvlab_meta`.
+is planned once by `plan_step` (from the block manager: per-group cached
+lengths, tables and slot mappings) into a `StepMetadata` that travels to every
+layer as the forward keyword `kvlab_meta`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.attention_plan import AttentionPlan, plan_paged_attention
+from kvlab.block_manager import BlockManager
 from kvlab.kernels import ops
-from kvlab.kernels.reference.paged_attention import AttentionPlan
 from kvlab.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
@@ -26,6 +28,35 @@ class StepMetadata:
     cache: KVCache
     slot_mapping: list[torch.Tensor]  # per layer group: [T] int64 slot of each new token
     plans: list[AttentionPlan]  # per layer group
+
+
+def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
+              device: torch.device, tree_mask: torch.Tensor | None = None) -> StepMetadata:
+    """The step's attention metadata, once for every layer: per group, the slot of each new token
+    and the attention plan over the group's cached slots (not the tokens' positions: a compacted
+    group holds fewer slots than its sequence has tokens)."""
+    bm = block_manager
+    n = torch.tensor(num_new_tokens, dtype=torch.int64)  # [B]
+    cu = [0]
+    for k in num_new_tokens:
+        cu.append(cu[-1] + k)
+    seq_of = torch.repeat_interleave(torch.arange(len(seqs)), n)  # [T]
+    local = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.int64)[seq_of]  # [T] index within its chunk
+    mappings, plans = [], []
+    for g, group in enumerate(bm.groups):
+        tables, lens = bm.block_tables(seqs, g), bm.cached_lens(seqs, g)
+        index = (torch.tensor(lens, dtype=torch.int64) - n)[seq_of] + local  # [T] cache index of each new token
+        mappings.append(slot_mapping(tables, seq_of, index, bm.block_size).to(device))
+        plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
+                                          tree_mask=tree_mask, null_block=cache.null_page))
+    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans)
+
+
+def slot_mapping(tables: list[list[int]], seq_of: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of every new token: tables[b][index // block_size] * block_size + index % block_size -> [T] int64."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [B, width]
+    return padded[seq_of, index // block_size] * block_size + index % block_size
 
 
 def paged_attention_forward(
@@ -52,7 +83,7 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     meta.cache.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping[group])
     scales = meta.cache.scales[layer] or (None, None)
-    out = ops.run_paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], meta.plans[group], scaling,
+    out = ops.run_paged_attention(q, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,
                                   softcap, *scales)  # [T, Hq, D]
     return out.unsqueeze(0), None
 

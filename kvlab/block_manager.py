@@ -1,19 +1,27 @@
-"""Where every sequence's KV lives: one allocator per layer group. Torch-free.
+"""Where every sequence's KV lives: one shared page pool, one block table per (sequence, layer group). Torch-free.
 
-Layers that attend alike share a group (and so a block table): all layers of a
-Llama form one group; Gemma 3's sliding-window layers form a second group whose
-blocks slide out of the window and go back to the pool. Per-layer budgets of
-future eviction policies become more groups. Every group holds `num_blocks`
-blocks of `block_size` slots; a block id means the same slots in each layer of
-its group.
+Layers are split into groups of equal layer count that attend alike (all full attention, or all the
+same sliding window). A page holds `block_size` tokens of K and V for every layer of the group that
+owns it, so all pages have one size and any group can draw any free page from the one pool (vLLM's
+hybrid KV-cache manager): pages freed by one group (sliding out of a window, evicted by a policy)
+serve any other. A Llama is one group of all its layers; Gemma 3 (5 sliding : 1 full, 18 layers)
+is six groups of 3 layers, five sliding and one full. Per-layer budgets are groups of one layer.
+
+A sequence has a logical length (its tokens; RoPE positions, owned by the scheduler) and, per
+group, a number of cached slots with the table that maps them to pages. The two agree until a
+policy compacts a group (fewer slots than tokens) or speculation appends tentative slots (more).
+
+This is the only door into the pages: the runner asks it for tables, lengths and slot mappings; the
+scheduler for admission and growth; policies for release and compaction; speculation for rollback.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Iterable
 
-from kvlab.allocators.base import Allocator
+from kvlab.allocators.base import NULL_BLOCK, Allocator
 from kvlab.sequence import Sequence
 
 
@@ -22,29 +30,65 @@ class LayerGroup:
     layers: tuple[int, ...]
     sliding_window: int | None = None  # attend to the last `sliding_window` keys only
 
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else f"window{self.sliding_window}"
+
+
+def equal_groups(layer_windows: list[int | None]) -> list[LayerGroup]:
+    """Split layers (window of each, None = full attention) into groups of one kind and equal size.
+
+    The size is the gcd of the kinds' layer counts, so every page has the same size; layers of a
+    kind go to groups in order (Gemma 3's 15 sliding + 3 full layers: groups of 3)."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    groups = [LayerGroup(tuple(layers[i:i + size]), window)
+              for window, layers in kinds.items() for i in range(0, len(layers), size)]
+    return sorted(groups, key=lambda g: g.layers[0])
+
 
 class BlockManager:
-    def __init__(self, groups: list[LayerGroup], make_allocator: Callable[[], Allocator], num_blocks: int,
-                 block_size: int, max_model_len: int):
+    def __init__(self, groups: list[LayerGroup], allocator: Allocator, num_blocks: int, block_size: int,
+                 max_model_len: int, max_chunk: int | None = None):
+        sizes = {len(g.layers) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"layer groups must have equal layer counts to share pages, got {sorted(sizes)}")
         self.groups = groups
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.allocators = [make_allocator() for _ in groups]
-        for allocator in self.allocators:
-            allocator.setup(num_blocks, block_size, max_model_len)
-        # waste is measured on the full-attention group(s): that is where requests compete for memory
-        full = [i for i, g in enumerate(groups) if g.sliding_window is None]
-        self.primary = max(full or range(len(groups)), key=lambda i: len(groups[i].layers))
+        self.max_chunk = max_chunk or max_model_len  # most tokens a sequence computes in one step
+        self.allocator = allocator
+        allocator.setup(num_blocks, block_size, max_model_len)
+        self.full_groups = [g for g, group in enumerate(groups) if group.sliding_window is None]
 
-    # -- sizing --------------------------------------------------------------
+    # -- tables ----------------------------------------------------------------
+    def key(self, seq: Sequence | int, group: int) -> int:
+        """The allocator's id of one (sequence, group) table."""
+        seq_id = seq if isinstance(seq, int) else seq.seq_id
+        return seq_id * len(self.groups) + group
+
+    def _keys(self, seq: Sequence) -> list[int]:
+        return [self.key(seq, g) for g in range(len(self.groups))]
+
+    def _footprint(self, group: LayerGroup, num_tokens: int) -> int:
+        """Tokens a group holds for a sequence of `num_tokens`: a window group never more than its
+        window plus one step's chunk (its older pages are released)."""
+        if group.sliding_window is None:
+            return num_tokens
+        return min(num_tokens, group.sliding_window + self.max_chunk + self.block_size)
+
+    # -- sizing ----------------------------------------------------------------
     def capacity_error(self, seq: Sequence) -> str | None:
         """Why `seq` could never run alone in this pool, or None."""
-        a = self.primary_allocator
-        reserved = a.reservation(seq.num_tokens, seq.max_len)
-        need = a.blocks_for(max(reserved, seq.max_len))
+        a = self.allocator
+        need = sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
+                                    self._footprint(g, seq.max_len))) for g in self.groups)
         if need <= a.usable_blocks:
             return None
+        reserved = a.reservation(seq.num_tokens, seq.max_len)
         if reserved > seq.max_len:
             what = (f"the {getattr(type(a), 'registry_name', type(a).__name__)} allocator reserves "
                     f"max_model_len = {reserved} tokens for every request")
@@ -55,47 +99,92 @@ class BlockManager:
         else:
             what = f"{seq.num_prompt_tokens} prompt + {seq.max_len - seq.num_prompt_tokens} new"
             fix = "raise kv_cache_memory or lower max_tokens / max_model_len"
+        if len(self.groups) > 1:
+            what += f", in {len(self.groups)} layer groups"
         reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
         return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
                 f"{a.usable_blocks}{reserve}; {fix}")
 
-    # -- state machine -------------------------------------------------------
+    # -- state machine ---------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
-        return all(a.can_allocate(seq.num_tokens, seq.max_len) for a in self.allocators)
+        return self.allocator.can_allocate_many(
+            [(self._footprint(g, seq.num_tokens), seq.max_len) for g in self.groups])
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        for a in self.allocators:
-            a.allocate(seq.seq_id, num_tokens, seq.max_len)
+        for key in self._keys(seq):
+            self.allocator.allocate(key, num_tokens, seq.max_len)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return all(a.can_append(seq.seq_id, num_new_tokens) for a in self.allocators)
+        return self.allocator.can_append_many([(key, num_new_tokens) for key in self._keys(seq)])
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        for a in self.allocators:
-            a.append_slots(seq.seq_id, num_new_tokens)
+        for key in self._keys(seq):
+            self.allocator.append_slots(key, num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
-        for a in self.allocators:
-            a.free(seq.seq_id)
+        for key in self._keys(seq):
+            self.allocator.free(key)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""
+        for g in range(len(self.groups)):
+            self.allocator.fork(self.key(parent, g), self.key(child, g))
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the last `num_tokens` slots of every group (rejected speculative tokens)."""
+        for key in self._keys(seq):
+            self.allocator.truncate(key, self.allocator.num_tokens(key) - num_tokens)
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """Free sliding-window blocks no future query of `seq` can see."""
-        first_query = seq.num_computed_tokens  # the next token to compute sits here
-        for group, a in zip(self.groups, self.allocators):
+        """Free sliding-window pages no future query of `seq` can see."""
+        for g, group in enumerate(self.groups):
             if group.sliding_window is not None:
-                a.release_before(seq.seq_id, first_query - group.sliding_window + 1)
+                key = self.key(seq, g)
+                first_query = self.allocator.num_tokens(key)  # the next token's cache index
+                self.allocator.release_before(key, first_query - group.sliding_window + 1)
 
-    def take_copies(self) -> list[list[tuple[int, int]]]:
-        """Pending copy-on-write block copies, per group."""
-        return [a.take_copies() for a in self.allocators]
+    def release_blocks(self, seq: Sequence, group: int, block_indices: list[int]) -> int:
+        """Free pages in the middle of a table (an eviction policy); their entries are never read."""
+        return self.allocator.release_blocks(self.key(seq, group), block_indices)
 
-    # -- views for the runner and the metrics --------------------------------
-    def block_tables(self, seq: Sequence) -> list[list[int]]:
-        return [a.block_table(seq.seq_id) for a in self.allocators]
+    def compact(self, seq: Sequence, group: int, keep: list[int]) -> list[tuple[int, int]]:
+        """Keep only cache indices `keep` of one group, moved to the front; the (src, dst) slot moves
+        the cache must apply at once (kvlab.kv_cache.KVCache.move_slots)."""
+        return self.allocator.compact(self.key(seq, group), keep)
 
-    @property
-    def primary_allocator(self) -> Allocator:
-        return self.allocators[self.primary]
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write page copies (src, dst)."""
+        return self.allocator.take_copies()
+
+    # -- views for the planner and the metrics -----------------------------------
+    def block_tables(self, seqs: Iterable[Sequence], group: int) -> list[list[int]]:
+        return [self.allocator.block_table(self.key(s, group)) for s in seqs]
+
+    def cached_lens(self, seqs: Iterable[Sequence], group: int) -> list[int]:
+        """Cached slots of each sequence in one group (its tokens, less evicted, plus tentative ones)."""
+        return [self.allocator.num_tokens(self.key(s, group)) for s in seqs]
 
     def num_used_blocks(self) -> int:
-        return self.primary_allocator.num_used_blocks
+        return self.allocator.num_used_blocks
+
+    def group_usage(self, seqs: Iterable[Sequence]) -> dict[str, int]:
+        """Pages held by `seqs`, per kind of layer group ("full", "window512", ...)."""
+        seqs = list(seqs)
+        usage: dict[str, int] = {}
+        for g, group in enumerate(self.groups):
+            usage[group.kind] = usage.get(group.kind, 0) + sum(self._live_blocks(self.key(s, g)) for s in seqs)
+        return usage
+
+    def _live_blocks(self, key: int) -> int:
+        return sum(1 for b in self.allocator.block_table(key) if b != NULL_BLOCK)
+
+    def waste_view(self, seq: Sequence) -> tuple[int, int]:
+        """(allocated, written) slots of `seq` over the full-attention groups, for the waste figures."""
+        a = self.allocator
+        keys = [self.key(seq, g) for g in self.full_groups]
+        return sum(a.allocated_slots(k) for k in keys), sum(a.num_tokens(k) for k in keys)
+
+    def external_fragmentation(self, seq: Sequence) -> int:
+        """Free slots the next waiting request could not use (contiguous allocation only)."""
+        a = self.allocator
+        return a.external_fragmentation(a.reservation(seq.num_tokens, seq.max_len))

@@ -1,9 +1,14 @@
-"""The KV pool tensors: per layer, keys and values in blocks, plus quantisation scales.
+"""The KV pool tensors: one shared page pool, plus quantisation scales per layer.
 
-    k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]  (storage dtype)
-    scales[layer]:      (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
+Every layer group has the same number of layers (kvlab.block_manager), so the pool is stored as one
+pair of tensors per layer *slot within a group*:
 
-A layer's block ids come from its group's block tables (kvlab.block_manager).
+    k[s], v[s]:     [num_pages + 1, block_size, num_kv_heads, head_dim]  (storage dtype)
+    scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
+
+Layer `l` of group `g` at slot `s` reads and writes page `p` at `k[s][p]`; a page belongs to one
+group at a time (the block manager hands it out), so layers of different groups never meet in it.
+The last page (`null_page`) stays zero: released table entries and padding point at it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,8 @@ from kvlab.quant.base import QuantFormat
 
 def bytes_per_block(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
                     quant: QuantFormat, compute_dtype: torch.dtype) -> float:
-    """Bytes one block id costs across every layer (K and V)."""
-    num_layers = sum(len(g.layers) for g in groups)
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * quant.bytes_per_element(compute_dtype)
+    """Bytes one page costs: K and V of `block_size` tokens for every layer of one group."""
+    return 2 * len(groups[0].layers) * block_size * num_kv_heads * head_dim * quant.bytes_per_element(compute_dtype)
 
 
 class KVCache:
@@ -28,12 +32,22 @@ class KVCache:
         self.groups = groups
         self.quant = quant
         self.group_of: dict[int, int] = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        self.slot_of: dict[int, int] = {layer: s for group in groups for s, layer in enumerate(group.layers)}
+        self.null_page = num_blocks
         dtype = quant.storage_dtype(compute_dtype)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.group_of}
-        self.v = {layer: torch.zeros(shape, dtype=dtype, device=device) for layer in self.group_of}
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+        per_group = len(groups[0].layers)
+        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
         self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.group_of}
         self._calibrated: set[int] = set()
+
+    def k(self, layer: int) -> torch.Tensor:
+        """[num_pages + 1, block_size, Hkv, D] keys of `layer` (pages of other groups in it are not its own)."""
+        return self._k[self.slot_of[layer]]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self._v[self.slot_of[layer]]
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] -> their slots in `layer`'s pool."""
@@ -42,16 +56,25 @@ class KVCache:
             self.quant.calibrate(key, value, scales)
             self._calibrated.add(layer)
         k_scale, v_scale = scales if scales is not None else (None, None)
-        ops.store_kv(key, value, self.k[layer], self.v[layer], slot_mapping, k_scale, v_scale)
+        ops.store_kv(key, value, self.k(layer), self.v(layer), slot_mapping, k_scale, v_scale)
 
-    def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src -> block dst in every layer of `group`."""
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: page src -> page dst, in every layer slot."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.k[self.groups[group].layers[0]].device)
+        src = torch.tensor([s for s, _ in pairs], device=self._k[0].device)
         dst = torch.tensor([d for _, d in pairs], device=src.device)
-        for layer in self.groups[group].layers:
-            ops.copy_blocks(self.k[layer], self.v[layer], src, dst)
+        for k, v in zip(self._k, self._v):
+            ops.copy_blocks(k, v, src, dst)
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], device=self._k[0].device)
+        dst = torch.tensor([d for _, d in moves], device=src.device)
+        for k, v in zip(self._k, self._v):
+            ops.compact_slots(k, v, src, dst)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))

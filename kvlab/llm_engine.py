@@ -2,9 +2,10 @@
 
     step() = schedule -> run the model once on the packed batch -> sample -> postprocess
 
-Building it sizes the KV pool from the byte budget, splits the model's layers
-into groups that share block tables (full vs sliding-window attention), and
-wires the plugins named in the config (allocator, policy, quantisation format).
+Building it sizes the one shared page pool from the byte budget, splits the
+model's layers into groups of equal size that share block tables (full vs
+sliding-window attention), and wires the plugins named in the config
+(allocator, policy, quantisation format).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 import torch
 
 from kvlab import attention
-from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
 from kvlab.kv_cache import KVCache, bytes_per_block
@@ -33,18 +34,14 @@ from kvlab.sequence import Sequence
 
 
 def layer_groups(config) -> list[LayerGroup]:
-    """Full-attention layers in one group, sliding-window layers in another (Gemma 2/3, Mistral)."""
+    """Layers grouped by attention kind (full, or a sliding window: Gemma 2/3, Mistral) into groups of
+    equal size, so that every page of the shared pool has one size."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
     types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
-    full = tuple(i for i, t in enumerate(types) if t != "sliding_attention" or not window)
-    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention" and window)
-    groups = [LayerGroup(full)] if full else []
-    if sliding:
-        groups.append(LayerGroup(sliding, sliding_window=int(window)))
-    return groups
+    return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types])
 
 
 def as_token_ids(ids) -> list[int]:
@@ -105,12 +102,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
-                f"tokens ({per_block:.0f} bytes across {mc.num_hidden_layers} layers); raise kv_cache_memory"
+                f"tokens ({per_block:.0f} bytes across the {len(groups[0].layers)} layers of a layer group); "
+                f"raise kv_cache_memory"
             )
-        self.block_manager = BlockManager(
-            groups, lambda: ALLOCATORS.build(config.allocator, **config.allocator_args), num_blocks,
-            config.block_size, self.max_model_len,
-        )
+        self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
+                                          num_blocks, config.block_size, self.max_model_len,
+                                          config.max_num_batched_tokens)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -122,6 +119,7 @@ class LLMEngine:
 
     def _new_metrics(self) -> Metrics:
         bm = self.block_manager
+        # waste is measured on the full-attention groups' pages (those that grow with the sequence)
         return Metrics(pool_slots=bm.num_blocks * bm.block_size, num_blocks=bm.num_blocks)
 
     # -- requests ------------------------------------------------------------
@@ -291,25 +289,22 @@ class LLMEngine:
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
         n_out = seq.num_output_tokens if not seq.is_scoring else 0
-        # the final length in the cache: the last sampled token is never written
-        self.metrics.record_finish(seq.seq_id, seq.num_computed_tokens, seq.num_prompt_tokens, n_out, seq.ttft,
-                                   seq.tpot)
+        # the final length in the cache (the last sampled token is never written), in every full group
+        final = seq.num_computed_tokens * len(self.block_manager.full_groups)
+        self.metrics.record_finish(seq.seq_id, final, seq.num_prompt_tokens, n_out, seq.ttft, seq.tpot)
         return seq
 
     def _record_step(self, num_preempted: int) -> None:
-        bm = self.block_manager
-        primary = bm.primary_allocator
-        running = [(s.seq_id, primary.allocated_slots(s.seq_id), s.num_computed_tokens)
-                   for s in self.scheduler.running]
-        external = 0
-        if self.scheduler.waiting:
-            head = self.scheduler.waiting[0]
-            external = primary.external_fragmentation(primary.reservation(head.num_tokens, head.max_len))
-        self.metrics.record_step(primary.num_used_blocks, running, external, num_preempted)
+        bm, running = self.block_manager, self.scheduler.running
+        external = bm.external_fragmentation(self.scheduler.waiting[0]) if self.scheduler.waiting else 0
+        self.metrics.record_step(bm.num_used_blocks(), [(s.seq_id, *bm.waste_view(s)) for s in running], external,
+                                 num_preempted, bm.group_usage(running) if len(bm.groups) > 1 else None)
 
     # -- metrics -------------------------------------------------------------
     def stats(self) -> dict:
-        live = {s.seq_id: s.num_tokens for s in self.scheduler.running}
+        """Throughput, latency, pages of the shared pool (in total and per layer group) and waste."""
+        n_full = len(self.block_manager.full_groups)
+        live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
         return self.metrics.summary(live)
 
     def reset_stats(self) -> None:

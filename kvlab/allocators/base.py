@@ -4,11 +4,17 @@ An allocator manages the physical blocks of one KV pool (one per layer group:
 every layer in the group uses the same block ids in its own tensors) and the
 block table of every sequence stored in it. It is pure bookkeeping: no torch.
 
-State machine, per sequence (vLLM / nano-vllm vocabulary):
+State machine, per table (vLLM / nano-vllm vocabulary):
     can_allocate -> allocate -> (can_append -> append_slots)* -> free
     fork(parent, child)     shares the parent's blocks (copy-on-write)
     truncate(seq, n)        rolls back tentative (speculative) tokens
-    release_before(seq, p)  frees blocks wholly before token index p (sliding window)
+    release_before(seq, p)  frees blocks wholly before cache index p (sliding window)
+    release_blocks(seq, i)  frees the blocks at table indices i (their entries become NULL_BLOCK)
+    compact(seq, keep)      keeps only the cache indices `keep`, moved to the front; frees the rest
+
+The engine's block manager keeps one table per (sequence, layer group) in one
+shared pool, so a "sequence id" here is any integer key of a table; the
+`*_many` queries answer for several tables drawn from the pool at once.
 
 Slot ids are `block * block_size + offset`; a table entry of NULL_BLOCK marks a
 block that was released (its tokens are no longer attended to).
@@ -101,6 +107,39 @@ class Allocator(ABC):
     def external_fragmentation(self, num_tokens: int) -> int:
         """Free slots that a request needing `num_tokens` slots could not use (0 for paging)."""
         return 0
+
+    def can_allocate_many(self, requests: list[tuple[int, int]]) -> bool:
+        """Could new tables for every (num_tokens, max_tokens) in `requests` be allocated together now?
+        (Default: on-demand allocators without fragmentation, like paging.)"""
+        need = sum(self.blocks_for(self.reservation(n, m)) for n, m in requests)
+        return need <= self.num_free_blocks - (self.num_blocks - self.usable_blocks)
+
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> float:
+        """Free blocks that `append_slots(seq_id, num_new_tokens)` would take (inf if it cannot grow)."""
+        return 0 if self.can_append(seq_id, num_new_tokens) else float("inf")
+
+    def can_append_many(self, requests: list[tuple[int, int]]) -> bool:
+        """Is there room to extend every (seq_id, num_new_tokens) of `requests` together?"""
+        return sum(self.blocks_to_append(s, n) for s, n in requests) <= self.num_free_blocks
+
+    def release_blocks(self, seq_id: int, block_indices: list[int]) -> int:
+        """Free the blocks at these table indices (their entries become NULL_BLOCK); returns how many."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release single blocks")
+
+    def compact(self, seq_id: int, keep: list[int]) -> list[tuple[int, int]]:
+        """Keep only cache indices `keep` (sorted), moved to the front in order; free what is left over.
+
+        Returns the (src_slot, dst_slot) moves the cache must make before anything else is written
+        (all reads before writes: see kvlab.kernels.ops.compact_slots)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compact a table")
+
+    def _check_keep(self, seq_id: int, keep: list[int]) -> None:
+        n = self.lengths[seq_id]
+        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < n):
+            raise ValueError(f"keep must be sorted, distinct cache indices of sequence {seq_id} in [0, {n})")
+        table, bs = self.tables[seq_id], self.block_size
+        if any(table[i // bs] == NULL_BLOCK for i in keep):
+            raise ValueError(f"sequence {seq_id}: cannot keep cache indices in released blocks")
 
     @property
     def usable_blocks(self) -> int:

@@ -79,6 +79,16 @@ class ContiguousAllocator(Allocator):
         self.tables[seq_id] = list(range(start, start + n))
         self.lengths[seq_id] = num_tokens
 
+    def can_allocate_many(self, requests: list[tuple[int, int]]) -> bool:
+        runs = [length for _, length in self.runs]  # first fit, simulated on the free runs' lengths
+        for num_tokens, max_tokens in requests:
+            n = max(1, self.blocks_for(self.reservation(num_tokens, max_tokens)))
+            i = next((i for i, length in enumerate(runs) if length >= n), None)
+            if i is None:
+                return False
+            runs[i] -= n
+        return True
+
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         return self.lengths[seq_id] + num_new_tokens <= self.reserved[seq_id] * self.block_size
 
@@ -117,3 +127,10 @@ class ContiguousAllocator(Allocator):
     def external_fragmentation(self, num_tokens: int) -> int:
         need = self.blocks_for(num_tokens)
         return sum(n for _, n in self.runs if n < need) * self.block_size
+
+    def compact(self, seq_id: int, keep: list[int]) -> list[tuple[int, int]]:
+        """Kept tokens move to the front of the reservation, which stays held whole."""
+        self._check_keep(seq_id, keep)
+        start = self.tables[seq_id][0] * self.block_size
+        self.lengths[seq_id] = len(keep)
+        return [(start + j, start + i) for i, j in enumerate(keep) if i != j]

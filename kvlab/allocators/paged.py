@@ -72,6 +72,9 @@ class PagedAllocator(Allocator):
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         return self._blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
 
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> float:
+        return self._blocks_needed(seq_id, num_new_tokens)
+
     def append_slots(self, seq_id: int, num_new_tokens: int) -> None:
         if not self.can_append(seq_id, num_new_tokens):
             raise OutOfBlocks(f"no room to append {num_new_tokens} tokens to sequence {seq_id}")
@@ -122,3 +125,37 @@ class PagedAllocator(Allocator):
                 table[i] = NULL_BLOCK
                 released += 1
         return released
+
+    def release_blocks(self, seq_id: int, block_indices: list[int]) -> int:
+        table = self.tables[seq_id]
+        released = 0
+        for i in sorted(set(block_indices)):
+            if not 0 <= i < len(table):
+                raise ValueError(f"sequence {seq_id} has no block {i} (it holds {len(table)})")
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
+
+    def compact(self, seq_id: int, keep: list[int]) -> list[tuple[int, int]]:
+        self._check_keep(seq_id, keep)
+        table, bs = self.tables[seq_id], self.block_size
+        old = list(table)
+        n_blocks = self.blocks_for(len(keep))
+        # destination blocks must be owned alone: a released or shared one is replaced by a fresh block
+        fresh = [i for i in range(n_blocks) if old[i] == NULL_BLOCK or self.ref_counts[old[i]] > 1]
+        if len(fresh) > self.num_free_blocks:
+            raise OutOfBlocks(f"compacting sequence {seq_id} needs {len(fresh)} free blocks")
+        for i in fresh:
+            if old[i] != NULL_BLOCK:
+                self._release(old[i])  # still shared: the other owners keep its contents
+            table[i] = self._take()
+        moves = [(old[j // bs] * bs + j % bs, table[i // bs] * bs + i % bs) for i, j in enumerate(keep)]
+        moves = [(s, d) for s, d in moves if s != d]
+        while len(table) > n_blocks:
+            block = table.pop()
+            if block != NULL_BLOCK:
+                self._release(block)
+        self.lengths[seq_id] = len(keep)
+        return moves
