@@ -34,7 +34,7 @@ def params(n: int = 3) -> SamplingParams:
 
 def assert_idle(llm):
     assert not llm.engine.has_unfinished()
-    assert llm.engine.block_manager.primary_allocator.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.block_manager.allocator.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_a_request_the_watermark_keeps_out_forever_is_rejected_up_front():
     so it must be refused at validation like any request too big for the pool, not fail mid-generate."""
     llm = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=4 * BLOCK_BYTES,
               allocator_args={"watermark": 0.5})
-    assert not llm.engine.block_manager.primary_allocator.can_allocate(40, 44)  # even in an empty pool
+    assert not llm.engine.block_manager.allocator.can_allocate(40, 44)  # even in an empty pool
     with pytest.raises(ValueError, match=r"prompt 1: .*KV pool"):
         llm.generate([[1, 2, 3], [5] * 40], params(4))
     assert not llm.engine.has_unfinished()

@@ -26,17 +26,20 @@ def test_random_model_from_a_config_shape():
         load_model("random:nope")
 
 
-def test_sliding_window_blocks_go_back_to_the_pool():
-    # gemma3-tiny: 5 sliding layers (window 8) + 1 full layer; one 60-token prompt at block size 4
+def test_sliding_window_blocks_go_back_to_the_shared_pool():
+    # gemma3-tiny: 5 sliding layers (window 8) + 1 full layer -> 6 one-layer groups drawing on one pool;
+    # one 60-token prompt at block size 4
     llm = LLM("random:gemma3-tiny", block_size=4, kv_cache_memory="1MiB")
-    full, sliding = llm.engine.block_manager.allocators
-    assert llm.engine.block_manager.groups[1].sliding_window == 8
+    bm = llm.engine.block_manager
+    assert [g.sliding_window for g in bm.groups] == [8, 8, 8, 8, 8, None]
     seq = llm.engine.make_sequence(list(range(3, 63)), SamplingParams(max_tokens=8, ignore_eos=True))
     llm.engine.add_sequence(seq)
     llm.engine.step()  # prefills all 60 tokens
-    live = [b for b in sliding.block_table(seq.seq_id) if b >= 0]
-    assert full.num_used_blocks == 15  # every token is kept for the full-attention layer
-    assert len(live) <= 3 and sliding.num_used_blocks == len(live)  # only the window (+ a partial block) stays
+    usage = bm.group_usage([seq])
+    assert usage["full"] == 15  # every token is kept for the full-attention layer
+    for g in range(5):  # only the window (+ a partial block) stays in each sliding group
+        assert len([b for b in bm.block_tables([seq], g)[0] if b >= 0]) <= 3
+    assert usage["window8"] <= 5 * 3 and bm.num_used_blocks() == usage["full"] + usage["window8"]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert full.num_free_blocks == full.num_blocks and sliding.num_free_blocks == sliding.num_blocks
+    assert bm.allocator.num_free_blocks == bm.num_blocks

@@ -25,8 +25,7 @@ BLOCK_BYTES = 8192
 def assert_idle(llm):
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished() and not llm.engine.scheduler.running
-    assert bm.primary_allocator.num_free_blocks == bm.num_blocks
-    assert all(a.num_free_blocks == a.num_blocks for a in bm.allocators)
+    assert bm.allocator.num_free_blocks == bm.num_blocks
 
 
 def random_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
