@@ -134,8 +134,8 @@ def build_llm(kwargs: dict):
 
 
 def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None = None,
-                   job_name: str | None = None) -> dict:
-    """Run one experiment; returns its summary metrics ({} when skipped). Raises on failure (after logging it)."""
+                   job_name: str | None = None) -> dict | None:
+    """Run one experiment; returns its summary metrics (None when skipped). Raises on failure (after logging it)."""
     run_dir = Path(run_dir)
     try:
         config = validate(cfg)
@@ -147,7 +147,7 @@ def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None =
         done = find_finished(Path(sweep_dir), digest)
         if done is not None:
             log.info("skipped %s: a finished run with the same config (%s) is in %s", job_name, digest, done)
-            return {}
+            return None
     name = f"{config['name']}/{job_name}" if job_name else config["name"]
     loggers = Loggers([LocalLogger()] + ([import_target(config["logger"]["_target_"], "logger._target_")(
         **{k: v for k, v in config["logger"].items() if k != "_target_"})] if config["logger"] else []))
