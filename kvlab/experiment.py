@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvlab.config import ConfigError, import_target, validate
+from kvlab.config import ConfigError, engine_options, import_target, validate
 from kvlab.loggers import LocalLogger, Loggers
 from kvlab.loggers.local import RECORD
 from kvlab.tasks.base import Result, RunContext
@@ -70,25 +70,14 @@ def run_meta(config: dict) -> dict:
 
 
 def llm_kwargs(config: dict) -> dict:
-    """Keyword arguments of kvlab.LLM from a validated config."""
-    engine = dict(config["engine"])
-    plugin = {}
-    for kind in ("policy", "quant", "draft"):
-        params = dict(config[kind])
-        name = params.pop("name")
-        plugin[kind] = None if kind == "draft" and name == "none" else name
-        plugin[f"{kind}_args"] = params or None
-    return dict(model=config["model"]["name"], dtype=config["model"]["dtype"], seed=config["seed"],
-                block_size=engine["block_size"], allocator=engine["allocator"],
-                allocator_args=engine["allocator_args"] or None, kv_cache_memory=engine["kv_cache_memory"],
-                max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
-                max_model_len=engine["max_model_len"], kernel_backend=engine["kernel_backend"], **plugin)
+    """Keyword arguments of kvlab.LLM from a validated config: every EngineConfig field, from its section."""
+    return engine_options(config)
 
 
 def reference_kwargs(kwargs: dict) -> dict:
     """The full-cache reference: same model and engine, policy full, model-dtype cache, no draft."""
-    return {**kwargs, "policy": "full", "policy_args": None, "quant": "auto", "quant_args": None,
-            "draft": None, "draft_args": None}
+    return {**kwargs, "policy": "full", "policy_args": {}, "quant": "auto", "quant_args": {},
+            "draft": None, "draft_args": {}}
 
 
 def find_finished(sweep_dir: Path, digest: str) -> Path | None:
