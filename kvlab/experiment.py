@@ -45,6 +45,10 @@ def config_hash(config: dict) -> str:
 
 
 def git_state(root: Path = REPO_ROOT) -> dict:
+    """Commit and dirtiness of the kvlab checkout; None for both in an installed (non-editable) package."""
+    if not (root / ".git").exists():  # a package under site-packages: not its own checkout's state
+        return {"git_commit": None, "git_dirty": None}
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
