@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -97,7 +95,7 @@ def hf_cb_config(kv_bytes: int, max_batch_tokens: int, model_config):
     Left to itself on CPU, transformers sizes the paged cache from free host RAM (60% of it: several GB
     here) and batches up to 8192 tokens, which made the first token wait ~30 s here; matching kvlab's
     budget is the fair comparison and the faster setting for transformers too (--hf-cb-auto restores
-    transformers' own sizing, as in /work/shared/NOTES.md).
+    transformers' own sizing).
     """
     from transformers import ContinuousBatchingConfig
 
@@ -215,7 +213,7 @@ class Bench:
     def _hf_generate_batch(self, requests, force_min: bool) -> Run:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*paged\\|.*prefix", category=FutureWarning)
-            self.hf.set_attn_implementation("paged|sdpa")  # as measured in /work/shared/NOTES.md
+            self.hf.set_attn_implementation("paged|sdpa")  # generate_batch's paged path over sdpa
         try:
             return hf_generate_batch(self.hf, requests, self.cb_config, force_min)
         finally:
@@ -330,13 +328,14 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def report(results: dict, meta: dict) -> str:
-    args, r = meta["args"], results["ratios"]
+    args, r, versions = meta["args"], results["ratios"], meta["versions"]
     parts = [f"# Throughput benchmark: kvlab vs Hugging Face ({meta['model']})", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ",
              f"Machine: {meta['machine']}  ", f"Load average (1/5/15 min) at start: {meta['load_start']}, "
              f"at end: {meta['load_end']} (other work on the cores inflates wall and CPU time alike; "
              "see --threads)  ",
-             f"Versions: {meta['versions']}  ", f"Commit: {meta['commit']}", ""]
+             f"Versions: python {meta['python']}, torch {versions['torch']}, transformers {versions['transformers']}  ",
+             f"Commit: {commit_line(meta)}", ""]
     if "micro" in results:
         parts += [f"## Micro: one {args['micro_prompt_tokens']}-token prompt, {args['micro_tokens']} new tokens "
                   f"forced, median of {args['repeats']} after a warm-up", "",
@@ -399,42 +398,31 @@ def report(results: dict, meta: dict) -> str:
 
 
 def metadata(args) -> dict:
+    """The runner's run metadata (kvlab.experiment.run_meta: git state, package versions, host, start time)
+    and what the report adds: the command, the machine, the load."""
     import torch
-    import transformers
 
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "?"
+    from kvlab.experiment import run_meta
 
-    dirty = " (uncommitted changes present)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    meta = run_meta({"seed": args.seed, **vars(args)})
     return {
+        **meta,
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
                    f"{platform.platform()}",
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, "
-                    f"transformers {transformers.__version__}",
-        "commit": git("rev-parse", "--short", "HEAD") + dirty,
         "model": args.model,
         "load_start": load_average(),
         "args": {**vars(args), "micro_prompt_tokens": 32},
     }
 
 
+def commit_line(meta: dict) -> str:
+    commit = (meta["git_commit"] or "?")[:7]
+    return commit + (" (uncommitted changes present)" if meta["git_dirty"] else "")
+
+
 def load_average() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-
-
-def json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def log(message: str) -> None:
@@ -489,6 +477,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    from kvlab.loggers.local import to_json
+
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     bench = Bench(args)
@@ -511,7 +501,7 @@ def main(argv=None) -> dict:
     md, js = Path(args.out + ".md"), Path(args.out + ".json")
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
-    js.write_text(json.dumps(json_safe({"meta": meta, **results}), indent=2))
+    js.write_text(json.dumps(to_json({"meta": meta, **results}), indent=2))
     log(f"wrote {md} and {js}")
     return results
 

@@ -6,10 +6,12 @@
     kvlab-run -m experiment=smoke                        # a named study (conf/experiment/)
     kvlab-run -m hydra/launcher=parallel ...             # the same sweep, jobs in parallel (joblib)
 
-Registered plugins become group options first (kvlab.conf_plugins). In a sweep a
-failed job is recorded as failed and the sweep goes on (fail_fast=true stops it);
-a single run exits non-zero. A config error is reported with its path, before any
-model loads.
+Registered plugins become group options first (kvlab.conf_plugins). A single run
+exits non-zero when it fails. In a sweep a failed job is recorded as failed and
+the sweep goes on; at its end a summary lists the jobs finished / failed /
+skipped, and the exit status is 1 if any failed (kvlab.sweep_report).
+fail_fast=true stops the sweep at the first failure. A config error is reported
+with its path, before any model loads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from omegaconf import DictConfig
 from kvlab.conf_plugins import CONF_DIR, register_plugin_configs
 from kvlab.config import ConfigError
 from kvlab.experiment import run_experiment
+from kvlab.sweep_report import SweepStopped, error_line, sweep_has_failed
 
 log = logging.getLogger("kvlab")
 
@@ -32,26 +35,38 @@ log = logging.getLogger("kvlab")
 def task(cfg: DictConfig) -> dict | None:
     """One Hydra job."""
     hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    job_name = hc.job.override_dirname or ("run" if not multirun else f"job{hc.job.num}")
+    if hc.mode == RunMode.MULTIRUN:
+        return sweep_job(cfg, hc)
     try:
-        return run_experiment(cfg, hc.runtime.output_dir, hc.sweep.dir if multirun else None, job_name)
+        return run_experiment(cfg, hc.runtime.output_dir, None, hc.job.override_dirname or "run")
     except ConfigError as exc:
         log.error("config error: %s", exc)
-        if multirun and not cfg.get("fail_fast", False):
-            return None
         sys.exit(f"config error: {exc}")
-    except Exception:
-        if not multirun or cfg.get("fail_fast", False):
-            raise
-        log.exception("job %s failed; it is recorded as failed in %s and the sweep goes on",
-                      job_name, hc.runtime.output_dir)
-        return None
+
+
+def sweep_job(cfg: DictConfig, hc) -> dict:
+    """One job of a sweep; never raises: returns its outcome {"status", "error"} for SweepReport."""
+    job_name = hc.job.override_dirname or f"job{hc.job.num}"
+    if cfg.get("fail_fast", False) and sweep_has_failed(hc.sweep.dir):
+        log.warning("job %s not run: an earlier job of this sweep failed and fail_fast is set", job_name)
+        return {"status": "not run", "error": None}
+    try:
+        summary = run_experiment(cfg, hc.runtime.output_dir, hc.sweep.dir, job_name)
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return {"status": "failed", "error": f"config error: {error_line(str(exc))}"}
+    except Exception as exc:
+        log.exception("job %s failed; it is recorded as failed in %s", job_name, hc.runtime.output_dir)
+        return {"status": "failed", "error": error_line(exc)}
+    return {"status": "skipped" if summary is None else "finished", "error": None}
 
 
 def main() -> None:
     register_plugin_configs()
-    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)()
+    try:
+        hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)()
+    except SweepStopped as stop:  # fail_fast in a sweep run in this process (basic launcher)
+        stop.report.finish(stopped=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """Read runs back as one DataFrame, and the standard plots.
 
-    runs = load_runs("multirun/smoke")          # local sweep / run folders (run.jsonl records,
-                                                # or bare offline W&B run folders)
-    runs = load_runs("my-entity/kvlab")         # the W&B API (online)
+    runs = load_runs("multirun/smoke")          # local sweep / run folders: their run.jsonl records
+    runs = load_runs("my-entity/kvlab")         # a W&B project, through the W&B public API (online)
     cells = load_tables(runs, "niah_cells")     # a per-cell table of every run, with the run's columns
 
 One row per run: `run_dir`, `name`, `status` ("finished" / "failed"), `error`,
-`source` ("local", "wandb-offline", "wandb"), the config flattened to dotted
+`source` ("local", "wandb"), the config flattened to dotted
 columns (`engine.block_size`, `policy.name`, ...), the run's metadata as
 `meta.*` (git commit, seed, versions), and its metrics as columns
 (`agreement/kl`, `workload/tokens_per_s`, ...).
@@ -14,8 +13,6 @@ columns (`engine.block_size`, `policy.name`, ...), the run's metadata as
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -31,15 +28,11 @@ FIRST = ["run_dir", "name", "status", "source"]
 
 
 def load_runs(source: str | Path, include_failed: bool = True) -> pd.DataFrame:
-    """One row per run found under a local folder, or in a W&B project ("entity/project") when online."""
+    """One row per run found under a local folder (every kvlab run writes its record, kvlab.loggers.local,
+    whatever its W&B mode), or in a W&B project ("entity/project") through the W&B public API when online."""
     path = Path(source).expanduser()
     if path.exists():
         rows = [local_row(p) for p in sorted(path.rglob(RECORD))]
-        recorded = {Path(r["run_dir"]) for r in rows}
-        for wandb_file in sorted(path.rglob("offline-run-*/run-*.wandb")):
-            run_dir = wandb_file.parent.parent.parent  # <run dir>/wandb/offline-run-*/run-*.wandb
-            if run_dir not in recorded:
-                rows.append(wandb_offline_row(wandb_file))
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         rows = wandb_api_rows(str(source))
     else:
@@ -83,7 +76,7 @@ def wandb_api_rows(project: str) -> list[dict]:
     for run in wandb.Api().runs(project):
         config = {k: v for k, v in run.config.items() if not k.startswith("_")}
         meta = config.pop("meta", {})
-        summary = {k: v for k, v in run.summary._json_dict.items() if not k.startswith(("_", "tables/", "figures/"))}
+        summary = {k: v for k, v in run.summary_metrics.items() if not k.startswith(("_", "tables/", "figures/"))}
         status = summary.pop("status", None) or ("finished" if run.state == "finished" else run.state)
         rows.append({"run_dir": run.url, "name": run.name, "status": status, "error": summary.pop("error", None),
                      "source": "wandb", **flatten(config), **flatten(meta, "meta."), **_scalars(summary)})
@@ -92,69 +85,6 @@ def wandb_api_rows(project: str) -> list[dict]:
 
 def _scalars(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None}
-
-
-# -- offline W&B run files ----------------------------------------------------------
-
-
-def wandb_offline_row(path: Path) -> dict:
-    """A row from an offline run's `run-*.wandb` file (config, summary and exit records)."""
-    config: dict = {}
-    summary: dict = {}
-    name, exit_code = None, None
-    for record in wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            name = record.run.display_name
-            _apply_updates(config, record.run.config.update)
-        elif kind == "config":
-            _apply_updates(config, record.config.update)
-        elif kind == "summary":
-            _apply_updates(summary, record.summary.update)
-        elif kind == "exit":
-            exit_code = record.exit.exit_code
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    meta = config.pop("meta", {})
-    summary = {k: v for k, v in summary.items() if not k.startswith(("_", "tables/", "figures/"))}
-    status = summary.pop("status", None) or ("finished" if exit_code == 0 else "failed" if exit_code else "running")
-    return {"run_dir": str(path.parent.parent.parent), "name": name, "status": status,
-            "error": summary.pop("error", None), "source": "wandb-offline", **flatten(config),
-            **flatten(meta, "meta."), **_scalars(summary)}
-
-
-def _apply_updates(target: dict, updates) -> None:
-    for item in updates:
-        key = "/".join(item.nested_key) if item.nested_key else item.key
-        target[key] = json.loads(item.value_json)
-
-
-def wandb_records(path: Path) -> Iterable[Any]:
-    """The protobuf records of a `.wandb` file (a LevelDB-style log: 7-byte file header, then
-    32 KiB blocks of chunks, each chunk `crc32:u32 length:u16 type:u8` + data; type 1 full,
-    2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer too short for a header: skip to the next block
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 0:
-            continue
-        pending += chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            try:
-                record.ParseFromString(pending)
-            except Exception:
-                record = None
-            pending = b""
-            if record is not None:
-                yield record
 
 
 def load_tables(runs: pd.DataFrame, name: str, columns: Iterable[str] = ()) -> pd.DataFrame:

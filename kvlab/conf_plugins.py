@@ -26,7 +26,20 @@ from pathlib import Path
 from kvlab.config import PLUGIN_SECTIONS, plugin_defaults
 from kvlab.registry import REGISTRIES, load_plugins
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's conf/ folder
+
+
+def find_conf_dir() -> Path:
+    """The Hydra configs: kvlab/conf in an installed package (package data), else the checkout's conf/."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"kvlab's Hydra configs (config.yaml) are neither in {package / 'conf'} nor in "
+                            f"{package.parent / 'conf'}")
+
+
+CONF_DIR = find_conf_dir()
+
 
 def plugin_options() -> dict[str, dict[str, dict]]:
     """{group: {option name: config node}} for every registered policy, draft and quant format."""

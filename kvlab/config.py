@@ -1,8 +1,10 @@
 """Config checking: a composed config is validated before any model loads.
 
 `validate(cfg)` checks every section of a composed kvlab config against a
-schema: the fixed sections (`model`, `engine`, the top-level keys) against the
-dataclasses below, the plugin sections (`policy`, `draft`, `quant`,
+schema: the engine's options (`engine`, `model`, `seed`) against the runtime
+`kvlab.engine_config.EngineConfig`, their one definition (its types, defaults and
+`__post_init__` checks, errors reported at their config path), the other
+top-level keys against `RootConfig`, the plugin sections (`policy`, `draft`, `quant`,
 `engine.allocator_args`) against the registered plugin's dataclass fields, and
 the `_target_` sections (`task`, `workload`, `logger`) against their class's
 fields. It returns a plain dict with every plugin default filled in (so the
@@ -23,26 +25,18 @@ import enum
 import hashlib
 import importlib
 import os
-import re
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
+from kvlab.engine_config import EngineConfig, EngineOptionError
 from kvlab.registry import REGISTRIES, UnknownPluginError
+from kvlab.schema import ConfigError, check_type, fields_of
 
 PLUGIN_SECTIONS = ("policy", "draft", "quant")  # config section == registry kind
 TARGET_SECTIONS = ("task", "workload", "logger")
 NO_DRAFT = "none"
-DTYPES = ("float32", "bfloat16", "float16")
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
-_UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
-class ConfigError(ValueError):
-    """A config value that is wrong; the message starts with its dotted path."""
-
+PACKAGED_MODELS = ("smollm2-135m", "gemma3-270m")
 
 def job_dir_name(override_dirname: str, limit: int = 120) -> str:
     """A sweep job's folder name from its overrides: readable, one path component, never too long.
@@ -65,31 +59,63 @@ def _register_resolvers() -> None:
 _register_resolvers()  # at import: every process that runs a kvlab job imports this module
 
 
-# -- schemas of the fixed sections ---------------------------------------------
+# -- where the composed config keeps EngineConfig's fields --------------------------------
+# kvlab.engine_config.EngineConfig is flat and is the only schema of the engine's options; the
+# composed config splits them into sections:
+#   engine.<field>            every field not named below
+#   model.name, model.dtype   fields `model`, `dtype`
+#   seed                      field `seed` (top level: it seeds the tasks' sampling too)
+#   <kind>.name, <kind>.*     fields `<kind>`, `<kind>_args` for kind in policy, quant, draft (draft "none": None)
+OUTSIDE_ENGINE = {"model": ("model", "name"), "dtype": ("model", "dtype"), "seed": ("", "seed")}
 
 
-@dataclass
-class ModelConfig:
-    name: str  # packaged name, random:<shape>, local folder or .gguf file, hub id (online)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+def _plugin_kind(name: str) -> str | None:
+    """The plugin section an EngineConfig field belongs to (`policy`, `policy_args` -> policy), else None."""
+    kind = name.removesuffix("_args")
+    return kind if kind in PLUGIN_SECTIONS else None
 
 
-@dataclass
-class EngineConfig:
-    allocator: str = "paged"
-    allocator_args: dict = field(default_factory=dict)
-    block_size: int = 16
-    kv_cache_memory: Any = "256MiB"  # int bytes or "<n>KiB|MiB|GiB"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: Optional[int] = None
-    kernel_backend: Literal["auto", "reference", "triton"] = "auto"
+def engine_path(name: str) -> str:
+    """The dotted path of EngineConfig field `name` in a composed config."""
+    kind = _plugin_kind(name)
+    if kind is not None:
+        return kind if name.endswith("_args") else f"{kind}.name"
+    section, key = OUTSIDE_ENGINE.get(name, ("engine", name))
+    return f"{section}.{key}" if section else key
+
+
+def section_fields(section: str) -> dict[str, tuple[Any, Any]]:
+    """{key: (type, default)} of the EngineConfig fields that `section` ("engine", "model", "" = top level) holds."""
+    out = {}
+    for name, spec in fields_of(EngineConfig).items():
+        where = OUTSIDE_ENGINE.get(name, ("engine", name))
+        if _plugin_kind(name) is None and where[0] == section:
+            out[where[1]] = spec
+    return out
+
+
+def engine_options(config: dict) -> dict:
+    """EngineConfig's (and so kvlab.LLM's) keyword arguments from a validated config, every field from its place."""
+    kwargs = {}
+    for name in fields_of(EngineConfig):
+        kind = _plugin_kind(name)
+        if kind is not None and name.endswith("_args"):
+            kwargs[name] = {k: v for k, v in config[kind].items() if k != "name"}
+        elif kind is not None:
+            plugin = config[kind]["name"]
+            kwargs[name] = None if kind == "draft" and plugin == NO_DRAFT else plugin
+        else:
+            section, key = OUTSIDE_ENGINE.get(name, ("engine", name))
+            kwargs[name] = (config[section] if section else config)[key]
+    return kwargs
+
+
+# -- the top level's own keys -------------------------------------------------------------
 
 
 @dataclass
 class RootConfig:
     name: str = "default"
-    seed: int = 0
     data_dir: Optional[str] = None
     progress: bool = True
     skip_existing: bool = True
@@ -114,25 +140,26 @@ def validate(cfg: Any) -> dict:
             raise ConfigError(f"{key}: {getattr(exc, 'msg', exc)}") from None
     cfg = dict(cfg)
     cfg.pop("hydra", None)
-    root_fields = {f.name for f in dataclasses.fields(RootConfig)}
-    unknown = sorted(set(cfg) - root_fields - set(SECTIONS) - {"experiment"})
+    root = {**fields_of(RootConfig), **section_fields("")}
+    unknown = sorted(set(cfg) - set(root) - set(SECTIONS) - {"experiment"})
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(sorted(root_fields | set(SECTIONS)))}")
-    out = check_fields("", {k: cfg[k] for k in root_fields if k in cfg}, RootConfig, fill=True)
+        raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(sorted(set(root) | set(SECTIONS)))}")
+    out = check_fields("", {k: cfg[k] for k in root if k in cfg}, root, fill=True)
     for section in ("model", "engine"):
         if not isinstance(cfg.get(section), dict):
             raise ConfigError(f"{section}: missing or not a mapping (choose an option of the {section}/ group)")
     out["model"] = check_model(cfg["model"])
-    out["engine"] = check_engine(cfg["engine"])
+    out["engine"] = check_fields("engine", cfg["engine"], section_fields("engine"), fill=True)
     for kind in PLUGIN_SECTIONS:
         out[kind] = check_plugin(kind, cfg.get(kind) or {"name": NO_DRAFT if kind == "draft" else None})
+    check_engine(out)
     for section in TARGET_SECTIONS:
         out[section] = check_target(section, cfg.get(section))
     return out
 
 
 def check_model(node: dict) -> dict:
-    out = check_fields("model", node, ModelConfig, fill=True)
+    out = check_fields("model", node, section_fields("model"), fill=True)
     name = out["name"]
     if name.startswith("random:"):
         from kvlab.models import RANDOM_SHAPES
@@ -140,38 +167,27 @@ def check_model(node: dict) -> dict:
         shape = name.split(":", 1)[1]
         if shape not in RANDOM_SHAPES:
             raise ConfigError(f"model.name: unknown random shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
-    elif name not in ("smollm2-135m", "gemma3-270m"):
+    elif name not in PACKAGED_MODELS:
         path = Path(name).expanduser()
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         if not path.exists() and (offline or "/" not in name or name.startswith((".", "/", "~"))):
             raise ConfigError(
-                f"model.name: {name!r} is not a packaged model (smollm2-135m, gemma3-270m), random:<shape>, "
+                f"model.name: {name!r} is not a packaged model ({', '.join(PACKAGED_MODELS)}), random:<shape>, "
                 f"an existing local folder or .gguf file" + (", nor (offline) a hub id" if offline else "")
             )
     return out
 
 
-def check_engine(node: dict) -> dict:
-    out = check_fields("engine", node, EngineConfig, fill=True)
-    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        if out[key] < 1:
-            raise ConfigError(f"engine.{key}: must be >= 1, got {out[key]}")
-    if out["max_model_len"] is not None and out["max_model_len"] < 1:
-        raise ConfigError(f"engine.max_model_len: must be >= 1 or null, got {out['max_model_len']}")
-    parse_bytes(out["kv_cache_memory"], "engine.kv_cache_memory")
-    out["allocator_args"] = check_plugin_args("allocator", out["allocator"], out["allocator_args"] or {},
-                                              "engine.allocator", "engine.allocator_args")
-    return out
-
-
-def parse_bytes(value: Any, path: str = "kv_cache_memory") -> int:
-    """Bytes from an int or a string like '64MiB' / '1.5GiB'."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = _BYTES.match(value) if isinstance(value, str) else None
-    if m is None or float(m.group(1)) <= 0:
-        raise ConfigError(f"{path}: expected a positive number of bytes (int) or a string like '64MiB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+def check_engine(config: dict) -> None:
+    """The engine's options as kvlab.LLM will get them (EngineConfig's checks, errors at their config path);
+    then the allocator's parameters, defaults filled in."""
+    try:
+        EngineConfig(**engine_options(config))
+    except EngineOptionError as exc:
+        raise ConfigError(f"{engine_path(exc.key)}: {exc.problem}") from None
+    engine = config["engine"]
+    engine["allocator_args"] = check_plugin_args("allocator", engine["allocator"], engine["allocator_args"],
+                                                 "engine.allocator", "engine.allocator_args")
 
 
 def check_plugin(kind: str, node: dict) -> dict:
@@ -230,26 +246,9 @@ def import_target(target: str, path: str) -> type:
 # -- dataclass fields -----------------------------------------------------------
 
 
-def plugin_fields(cls: type) -> dict[str, tuple[Any, Any]]:
-    """{name: (type, default)} of a dataclass's init fields; default is dataclasses.MISSING if required."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # unresolvable annotations (e.g. a torch type under a string annotation)
-        hints = {}
-    out = {}
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name.startswith("_"):
-            continue
-        default = f.default
-        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        out[f.name] = (hints.get(f.name, Any), default)
-    return out
-
-
 def plugin_defaults(cls: type) -> dict[str, Any]:
     """Config-friendly defaults of a plugin's init fields ('???' for required ones)."""
-    return {k: to_config_value(d) for k, (_, d) in plugin_fields(cls).items()}
+    return {k: to_config_value(d) for k, (_, d) in fields_of(cls).items()}
 
 
 def to_config_value(value: Any) -> Any:
@@ -269,11 +268,12 @@ def to_config_value(value: Any) -> Any:
     return str(value)
 
 
-def check_fields(path: str, node: dict, cls: type, fill: bool = False, what: str | None = None) -> dict:
-    """Check `node`'s keys and value types against `cls`'s init fields; fill defaults if `fill`."""
+def check_fields(path: str, node: dict, schema: type | dict, fill: bool = False, what: str | None = None) -> dict:
+    """Check `node`'s keys and value types against `schema` (a dataclass's init fields, or
+    {key: (type, default)}); fill defaults if `fill`."""
     if not isinstance(node, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {node!r}")
-    fields = plugin_fields(cls) if dataclasses.is_dataclass(cls) else {}
+    fields = schema if isinstance(schema, dict) else fields_of(schema) if dataclasses.is_dataclass(schema) else {}
     prefix = f"{path}." if path else ""
     for key in node:
         if key not in fields:
@@ -288,64 +288,3 @@ def check_fields(path: str, node: dict, cls: type, fill: bool = False, what: str
         elif fill:
             out[key] = to_config_value(default)
     return out
-
-
-def check_type(path: str, value: Any, annotation: Any) -> Any:
-    """`value` if it fits `annotation` (ints widen to float, lists to tuples' place); else ConfigError."""
-    if value == "???":
-        raise ConfigError(f"{path}: required value is missing (???)")
-    ok, value = _fits(value, annotation)
-    if not ok:
-        raise ConfigError(f"{path}: expected {_type_name(annotation)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _fits(value: Any, ann: Any) -> tuple[bool, Any]:
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if ann is Any or ann is object or isinstance(ann, (typing.TypeVar, str)):
-        return True, value
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            ok, v = _fits(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if ann is type(None):
-        return value is None, value
-    if origin is Literal:
-        return value in args, value
-    if ann is bool:
-        return isinstance(value, bool), value
-    if ann is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if ann is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if ann is str:
-        return isinstance(value, str), value
-    if origin in (list, tuple, typing.Sequence, set, frozenset) or ann in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False, value
-        item = args[0] if args and (origin is not tuple or len(args) == 2 and args[1] is Ellipsis) else Any
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                return False, value
-            checked = [_fits(v, a) for v, a in zip(value, args)]
-        else:
-            checked = [_fits(v, item) for v in value]
-        return all(ok for ok, _ in checked), [v for _, v in checked]
-    if origin is dict or ann is dict:
-        return isinstance(value, dict), value
-    if isinstance(ann, type) and issubclass(ann, enum.Enum):
-        return value in ann.__members__ or value in [m.value for m in ann], value
-    return True, value  # other annotations (classes, protocols): not checked here
-
-
-def _type_name(ann: Any) -> str:
-    if typing.get_origin(ann) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(ann))
-    if ann is type(None):
-        return "null"
-    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")

@@ -1,59 +1,91 @@
-"""Everything that configures an engine, checked before any model loads."""
+"""Everything that configures an engine, checked before any model loads: the one schema of engine options.
+
+    LLM(model="random:llama-tiny", block_size=16, kv_cache_memory="4MiB")  # -> EngineConfig(model=..., ...)
+
+The Hydra experiment config holds the same options, laid out by section
+(`engine.<field>`, `model.name` / `model.dtype`, `seed`, and the plugin sections
+`policy` / `quant` / `draft`); kvlab.config checks a composed config against
+these fields and maps it onto them (`kvlab.config.engine_options`). Adding an
+engine option costs one field here and one commented line in conf/engine/default.yaml.
+
+A wrong option raises `EngineOptionError` (a ValueError) naming it::
+
+    block_size: expected int, got float 16.0
+    block_size: 24 is not allowed; choose one of (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from kvlab.schema import ConfigError, fields_of, fits, type_problem
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args")
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
+class EngineOptionError(ConfigError):
+    """A wrong engine option: `key` is the option, `problem` what is wrong with it."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key}: {problem}")
+        self.key, self.problem = key, problem
+
+
 def parse_bytes(value: int | float | str) -> int:
-    """64 * 2**20, "64MiB", "1.5 GiB", "500MB" -> bytes."""
+    """64 * 2**20, "64MiB", "1.5 GiB", "500MB" -> bytes; ValueError for anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory {value!r} is not a size (examples: 268435456, '256MiB', '1GiB')")
+        raise ValueError(f"{value!r} is not a size (examples: 268435456, '256MiB', '1GiB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # packaged name, local folder, .gguf file, random:<shape> or hub id
-    block_size: int = 16  # tokens per KV block
+    block_size: int = 16  # tokens per KV block, one of ALLOWED_BLOCK_SIZES
     allocator: str = "paged"  # registered allocator name
-    allocator_args: dict[str, Any] = field(default_factory=dict)
-    kv_cache_memory: int | str = "256MiB"  # byte budget of the whole KV pool (all layers, K and V)
+    allocator_args: dict[str, Any] = field(default_factory=dict)  # the allocator's dataclass parameters
+    kv_cache_memory: int | float | str = "256MiB"  # byte budget of the whole KV pool (all layers, K and V)
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens computed per step at most (prefill chunks + decodes)
-    max_model_len: int | None = None  # longest sequence; default: the model's context
+    max_model_len: int | None = None  # longest sequence; None: the model's context
     policy: str = "full"  # registered eviction/compression policy
     policy_args: dict[str, Any] = field(default_factory=dict)
     quant: str = "auto"  # registered cache format
     quant_args: dict[str, Any] = field(default_factory=dict)
     draft: str | None = None  # registered draft model (speculative decoding), None = off
     draft_args: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"  # model compute dtype
-    device: str = "cpu"
-    seed: int = 0
-    kernel_backend: str = "auto"  # auto | torch | triton
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # model compute dtype
+    device: str = "cpu"  # torch device of the model and the KV pool
+    seed: int = 0  # sampling seed
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise
 
     def __post_init__(self) -> None:
+        for name in PLUGIN_ARGS:
+            if getattr(self, name) is None:
+                setattr(self, name, {})
+        for name, (annotation, _) in fields_of(type(self)).items():
+            ok, _ = fits(getattr(self, name), annotation)
+            if not ok:
+                raise EngineOptionError(name, type_problem(getattr(self, name), annotation))
         if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(f"block_size {self.block_size} is not allowed; choose one of {ALLOWED_BLOCK_SIZES}")
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            raise EngineOptionError("block_size", f"{self.block_size} is not allowed; choose one of {ALLOWED_BLOCK_SIZES}")
+        try:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        except ValueError as exc:
+            raise EngineOptionError("kv_cache_memory", str(exc)) from None
         if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise EngineOptionError("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise EngineOptionError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("allocator_args", "policy_args", "quant_args", "draft_args"):
-            setattr(self, name, dict(getattr(self, name) or {}))
+            raise EngineOptionError("max_model_len", f"must be >= 2 or None, got {self.max_model_len}")
+        for name in PLUGIN_ARGS:
+            setattr(self, name, dict(getattr(self, name)))

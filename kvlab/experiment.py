@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvlab.config import ConfigError, import_target, validate
+from kvlab.config import ConfigError, engine_options, import_target, validate
 from kvlab.loggers import LocalLogger, Loggers
 from kvlab.loggers.local import RECORD
 from kvlab.tasks.base import Result, RunContext
@@ -45,6 +45,10 @@ def config_hash(config: dict) -> str:
 
 
 def git_state(root: Path = REPO_ROOT) -> dict:
+    """Commit and dirtiness of the kvlab checkout; None for both in an installed (non-editable) package."""
+    if not (root / ".git").exists():  # a package under site-packages: not its own checkout's state
+        return {"git_commit": None, "git_dirty": None}
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
@@ -70,25 +74,14 @@ def run_meta(config: dict) -> dict:
 
 
 def llm_kwargs(config: dict) -> dict:
-    """Keyword arguments of kvlab.LLM from a validated config."""
-    engine = dict(config["engine"])
-    plugin = {}
-    for kind in ("policy", "quant", "draft"):
-        params = dict(config[kind])
-        name = params.pop("name")
-        plugin[kind] = None if kind == "draft" and name == "none" else name
-        plugin[f"{kind}_args"] = params or None
-    return dict(model=config["model"]["name"], dtype=config["model"]["dtype"], seed=config["seed"],
-                block_size=engine["block_size"], allocator=engine["allocator"],
-                allocator_args=engine["allocator_args"] or None, kv_cache_memory=engine["kv_cache_memory"],
-                max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
-                max_model_len=engine["max_model_len"], kernel_backend=engine["kernel_backend"], **plugin)
+    """Keyword arguments of kvlab.LLM from a validated config: every EngineConfig field, from its section."""
+    return engine_options(config)
 
 
 def reference_kwargs(kwargs: dict) -> dict:
     """The full-cache reference: same model and engine, policy full, model-dtype cache, no draft."""
-    return {**kwargs, "policy": "full", "policy_args": None, "quant": "auto", "quant_args": None,
-            "draft": None, "draft_args": None}
+    return {**kwargs, "policy": "full", "policy_args": {}, "quant": "auto", "quant_args": {},
+            "draft": None, "draft_args": {}}
 
 
 def find_finished(sweep_dir: Path, digest: str) -> Path | None:
@@ -134,8 +127,8 @@ def build_llm(kwargs: dict):
 
 
 def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None = None,
-                   job_name: str | None = None) -> dict:
-    """Run one experiment; returns its summary metrics ({} when skipped). Raises on failure (after logging it)."""
+                   job_name: str | None = None) -> dict | None:
+    """Run one experiment; returns its summary metrics (None when skipped). Raises on failure (after logging it)."""
     run_dir = Path(run_dir)
     try:
         config = validate(cfg)
@@ -147,7 +140,7 @@ def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None =
         done = find_finished(Path(sweep_dir), digest)
         if done is not None:
             log.info("skipped %s: a finished run with the same config (%s) is in %s", job_name, digest, done)
-            return {}
+            return None
     name = f"{config['name']}/{job_name}" if job_name else config["name"]
     loggers = Loggers([LocalLogger()] + ([import_target(config["logger"]["_target_"], "logger._target_")(
         **{k: v for k, v in config["logger"].items() if k != "_target_"})] if config["logger"] else []))

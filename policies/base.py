@@ -3,8 +3,8 @@
 The narrowest hook is `score`: one number per cached token per KV head
 (higher = keep); the framework does the budget, the top-k and the compaction
 of survivors into fewer blocks (the freed blocks go back to the pool). Policies
-that need more (chunk-level, two-stage, per-layer budgets) override the
-lower-level hooks as they arrive (ROADMAP.md); wrappers compose by holding
+that need more (chunk-level, two-stage, per-layer budgets) will override
+lower-level hooks, added with the first policy that needs one; wrappers compose by holding
 another policy, e.g. `AdaKV(SnapKV())`.
 """
 

@@ -11,6 +11,7 @@ import pytest
 
 import kvlab.llm_engine
 from kvlab import LLM, SamplingParams
+from kvlab.engine_config import EngineConfig, EngineOptionError
 from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, UnknownPluginError
 
 MODEL = "random:llama-tiny"
@@ -126,9 +127,9 @@ def test_engine_rejects_a_bad_request_and_keeps_the_good_ones(llm):
 
 
 # -- engine configuration -------------------------------------------------------------
-@pytest.mark.parametrize("block_size", [3, 1024, 0])
+@pytest.mark.parametrize("block_size", [3, 24, 1024, 0])
 def test_block_size_not_allowed(block_size):
-    with pytest.raises(ValueError, match=rf"block_size {block_size} is not allowed; choose one of "
+    with pytest.raises(ValueError, match=rf"^block_size: {block_size} is not allowed; choose one of "
                                          r"\(1, 2, 4, 8, 16, 32, 64, 128, 256\)"):
         LLM("does-not-exist", block_size=block_size)  # checked before the model is looked up
 
@@ -143,9 +144,13 @@ def test_kv_budget_smaller_than_one_block(memory, message):
 
 
 @pytest.mark.parametrize("memory, message", [
-    (0, "kv_cache_memory must be positive, got 0"),
-    ("lots", r"kv_cache_memory 'lots' is not a size"),
-    ("12 parsecs", r"kv_cache_memory '12 parsecs' is not a size"),
+    (0, "^kv_cache_memory: must be positive, got 0"),
+    ("lots", r"^kv_cache_memory: 'lots' is not a size"),
+    ("12 parsecs", r"^kv_cache_memory: '12 parsecs' is not a size"),
+    ("", r"^kv_cache_memory: '' is not a size"),
+    (None, r"^kv_cache_memory: expected int or float or str, got NoneType None"),
+    (True, r"^kv_cache_memory: expected int or float or str, got bool True"),
+    ([256], r"^kv_cache_memory: expected int or float or str, got list \[256\]"),
 ])
 def test_kv_budget_that_is_not_a_size(memory, message):
     with pytest.raises(ValueError, match=message):
@@ -222,11 +227,48 @@ def test_unknown_random_shape_lists_the_shapes():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
-    (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
-    (dict(dtype="float8"), "dtype must be float32, bfloat16 or float16, got 'float8'"),
+    (dict(max_num_seqs=0), "^max_num_seqs: must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=0), "^max_num_batched_tokens: must be >= 1, got 0"),
+    (dict(max_model_len=1), r"^max_model_len: must be >= 2 or None, got 1"),
+    (dict(dtype="float8"), "^dtype: expected one of 'float32', 'bfloat16', 'float16', got str 'float8'"),
 ])
 def test_other_engine_settings_are_checked_before_the_model(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("does-not-exist", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=True), "block_size: expected int, got bool True"),
+    (dict(block_size=16.0), "block_size: expected int, got float 16.0"),
+    (dict(block_size="16"), "block_size: expected int, got str '16'"),
+    (dict(max_model_len=64.5), r"max_model_len: expected int or null \(None\), got float 64.5"),
+    (dict(max_num_seqs=2.5), "max_num_seqs: expected int, got float 2.5"),
+    (dict(max_num_batched_tokens="512"), "max_num_batched_tokens: expected int, got str '512'"),
+    (dict(max_num_batched_tokens=512.0), "max_num_batched_tokens: expected int, got float 512.0"),
+    (dict(seed="0"), "seed: expected int, got str '0'"),
+    (dict(seed=1.5), "seed: expected int, got float 1.5"),
+    (dict(kernel_backend="cuda"), "kernel_backend: expected one of 'auto', 'torch', 'triton', got str 'cuda'"),
+    (dict(kernel_backend="reference"), "kernel_backend: expected one of 'auto', 'torch', 'triton'"),
+    (dict(dtype="float64"), "dtype: expected one of 'float32', 'bfloat16', 'float16', got str 'float64'"),
+    (dict(dtype=None), "dtype: expected one of"),
+    (dict(policy_args=[("budget", 8)]), r"policy_args: expected a mapping, got list"),
+    (dict(allocator_args="watermark=0.1"), "allocator_args: expected a mapping, got str 'watermark=0.1'"),
+    (dict(quant_args=3), "quant_args: expected a mapping, got int 3"),
+    (dict(draft_args=("a",)), "draft_args: expected a mapping, got tuple"),
+    (dict(allocator=None), "allocator: expected str, got NoneType None"),
+    (dict(device=0), "device: expected str, got int 0"),
+])
+def test_engine_option_of_the_wrong_type_is_named(kwargs, message):
+    """EngineConfig checks every option's type itself; LLM checks them before it looks the model up."""
+    with pytest.raises(EngineOptionError, match="^" + message) as err:
+        EngineConfig(**kwargs)
+    assert err.value.key == next(iter(kwargs)) and isinstance(err.value, ValueError)
+    with pytest.raises(ValueError, match="^" + message):
+        LLM("does-not-exist", **kwargs)
+
+
+def test_engine_config_normalises_what_it_accepts():
+    config = EngineConfig(kv_cache_memory="1.5 KiB", policy_args=None, max_model_len=None, kernel_backend="torch")
+    assert config.kv_cache_memory == 1536 and config.policy_args == {} and config.draft is None
+    assert EngineConfig(kv_cache_memory=2.5e6).kv_cache_memory == 2_500_000
+    assert EngineConfig(kv_cache_memory="64mib").kv_cache_memory == 64 << 20

@@ -105,9 +105,9 @@ def _gemma_prompts(tok):
 
 
 def _essay_path():
-    from pathlib import Path
+    from kvlab.tasks.data import default_data_dir
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "paul-graham-essays" / "addiction.txt"
+    path = default_data_dir() / "paul-graham-essays" / "addiction.txt"  # $KVLAB_DATA, else ../shared/data
     if not path.exists():
         pytest.skip(f"shared data not found at {path}")
     return path

@@ -1,9 +1,9 @@
 """The draft-model interface for speculative decoding (Leviathan et al. 2023, arXiv:2211.17192).
 
 A draft proposes up to `num_tokens` next tokens for each running sequence (a
-chain today; token trees as in SpecInfer, arXiv:2305.09781, on the roadmap); the
+chain today; token trees as in SpecInfer, arXiv:2305.09781, are not supported); the
 target verifies them in one forward pass. No draft ships yet: the engine
-rejects `draft=` until verification lands (ROADMAP.md).
+rejects `draft=` until verification lands.
 """
 
 from __future__ import annotations

@@ -52,3 +52,39 @@ def test_load_runs_rejects_what_it_cannot_read(tmp_path):
     assert load_runs(tmp_path).empty
     with pytest.raises(FileNotFoundError, match="neither a folder nor a W&B project"):
         load_runs(tmp_path / "nope")
+
+
+def test_load_runs_reads_the_local_records_of_a_sweep_folder(tmp_path):
+    from kvlab.loggers import LocalLogger
+
+    for job, status in (("block_size=8", "finished"), ("block_size=16", "failed")):
+        log = LocalLogger()
+        log.start(tmp_path / job, f"study/{job}", {"engine": {"block_size": int(job.split("=")[1])}},
+                  {"git_commit": "abc"})
+        log.log_metrics({"agreement/kl": 0.5})
+        log.finish(status, {"run/elapsed_s": 1.0}, error="boom" if status == "failed" else None)
+    (tmp_path / "block_size=8" / "wandb" / "offline-run-x").mkdir(parents=True)  # W&B files are not read
+    runs = load_runs(tmp_path).set_index("engine.block_size")
+    assert list(runs.index) == [16, 8] and set(runs["source"]) == {"local"}
+    assert runs.loc[8, "status"] == "finished" and runs.loc[16, "error"] == "boom"
+    assert runs.loc[8, "agreement/kl"] == 0.5 and runs.loc[8, "meta.git_commit"] == "abc"
+    assert list(load_runs(tmp_path, include_failed=False).index) == [0]
+
+
+def test_load_runs_from_a_wandb_project_uses_the_public_api(monkeypatch):
+    import wandb
+
+    class Run:
+        name, url, state = "study/job0", "https://wandb.ai/e/p/runs/1", "finished"
+        config = {"engine": {"block_size": 8}, "meta": {"seed": 0}, "_wandb": {}}
+        summary_metrics = {"agreement/kl": 0.25, "status": "finished", "_runtime": 3, "tables/x": {}}
+
+    class Api:
+        def runs(self, project):
+            assert project == "e/p"
+            return [Run()]
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    [row] = load_runs("e/p").to_dict("records")
+    assert row["source"] == "wandb" and row["status"] == "finished" and row["engine.block_size"] == 8
+    assert row["agreement/kl"] == 0.25 and row["meta.seed"] == 0 and "_runtime" not in row and "tables/x" not in row

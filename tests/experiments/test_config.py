@@ -11,8 +11,11 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from kvlab.config import ConfigError, check_target, plugin_fields, validate
+from kvlab.config import ConfigError, check_target, engine_path, validate
+from kvlab.engine_config import EngineConfig
+from kvlab.experiment import llm_kwargs
 from kvlab.registry import REGISTRIES
+from kvlab.schema import fields_of as plugin_fields
 
 from exp_helpers import CONF_DIR, kvlab_cmd, run_env
 
@@ -127,8 +130,18 @@ def test_unknown_key_is_refused_with_its_path(compose):
 
 @pytest.mark.parametrize("override,message", [
     ("engine.block_size=big", r"^engine\.block_size: expected int, got str 'big'"),
-    ("engine.block_size=0", r"^engine\.block_size: must be >= 1"),
-    ("engine.kv_cache_memory=lots", r"^engine\.kv_cache_memory: expected a positive number of bytes"),
+    ("engine.block_size=0", r"^engine\.block_size: 0 is not allowed; choose one of \(1, 2, 4"),
+    ("engine.block_size=24", r"^engine\.block_size: 24 is not allowed; choose one of \(1, 2, 4"),
+    ("engine.block_size=16.0", r"^engine\.block_size: expected int, got float 16\.0"),
+    ("engine.block_size=true", r"^engine\.block_size: expected int, got bool True"),
+    ("engine.max_num_seqs=2.5", r"^engine\.max_num_seqs: expected int, got float 2\.5"),
+    ("engine.max_num_seqs=0", r"^engine\.max_num_seqs: must be >= 1, got 0"),
+    ("engine.max_model_len=64.5", r"^engine\.max_model_len: expected int or null"),
+    ("engine.max_model_len=1", r"^engine\.max_model_len: must be >= 2"),
+    ("engine.kv_cache_memory=lots", r"^engine\.kv_cache_memory: 'lots' is not a size"),
+    ("engine.kv_cache_memory=0", r"^engine\.kv_cache_memory: must be positive, got 0"),
+    ("engine.kernel_backend=reference", r"^engine\.kernel_backend: expected one of 'auto', 'torch', 'triton'"),
+    ("engine.device=null", r"^engine\.device: expected str"),
     ("engine.allocator=nope", r"^engine\.allocator: unknown allocator 'nope'; .*paged"),
     ("+engine.allocator_args.watermark=2.0", r"^engine\.allocator_args: allocator 'paged' rejects .*watermark"),
     ("model.name=no-such-model", r"^model\.name: 'no-such-model' is not a packaged model"),
@@ -142,6 +155,46 @@ def test_unknown_key_is_refused_with_its_path(compose):
 def test_bad_value_names_its_path(compose, override, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose([override]))
+
+
+def test_engine_yaml_lists_every_engine_config_field_with_its_default():
+    """One schema: every EngineConfig field is in engine/default.yaml (with the dataclass's default) unless the
+    config keeps it in another section (model, seed, plugins), and engine/default.yaml has nothing else."""
+    node = yaml.safe_load((CONF_DIR / "engine" / "default.yaml").read_text())
+    fields = plugin_fields(EngineConfig)
+    in_engine = {name for name in fields if engine_path(name) == f"engine.{name}"}
+    assert set(node) == in_engine
+    assert {name: node[name] for name in in_engine} == {name: fields[name][1] for name in in_engine}
+    assert {engine_path(name) for name in set(fields) - in_engine} == {
+        "model.name", "model.dtype", "seed", "policy.name", "policy", "quant.name", "quant", "draft.name", "draft"}
+
+
+def test_engine_option_files_change_only_what_differs():
+    for path in sorted((CONF_DIR / "engine").glob("*.yaml")):
+        if path.stem != "default":
+            node = yaml.safe_load(path.read_text())
+            assert node["defaults"] == ["default"], path
+            assert set(node) - {"defaults"} < set(yaml.safe_load((CONF_DIR / "engine" / "default.yaml").read_text()))
+
+
+def test_llm_kwargs_map_every_section_onto_engine_config(compose):
+    config = validate(compose(["model=random-llama-tiny", "model.dtype=bfloat16", "engine=contiguous", "seed=3",
+                               "engine.block_size=8", "engine.kernel_backend=torch", "quant=bf16"]))
+    kwargs = llm_kwargs(config)
+    assert set(kwargs) == set(plugin_fields(EngineConfig))
+    engine = EngineConfig(**kwargs)
+    assert (engine.model, engine.dtype, engine.seed, engine.block_size) == ("random:llama-tiny", "bfloat16", 3, 8)
+    assert (engine.allocator, engine.allocator_args) == ("contiguous", {"reserve": "max_model_len"})
+    assert (engine.kernel_backend, engine.quant, engine.draft, engine.policy) == ("torch", "bf16", None, "full")
+    assert engine.kv_cache_memory == 256 << 20 and engine.max_num_seqs == 256
+
+
+def test_cli_value_outside_the_allowed_ones_is_a_config_error(tmp_path):
+    out = subprocess.run(kvlab_cmd("engine.block_size=24", "model=random-llama-tiny", "logger=none"), cwd=tmp_path,
+                         env=run_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().endswith("config error: engine.block_size: 24 is not allowed; "
+                                       "choose one of (1, 2, 4, 8, 16, 32, 64, 128, 256)")
 
 
 def test_validation_fills_plugin_defaults(compose):
