@@ -102,7 +102,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
-                f"tokens ({per_block:.0f} bytes across the {len(groups[0].layers)} layers of a layer group); "
+                f"tokens ({per_block:.0f} bytes across {len(groups[0].layers)} layers); "
                 f"raise kv_cache_memory"
             )
         self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),

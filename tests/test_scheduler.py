@@ -1,4 +1,4 @@
-"""Continuous batching with a real BlockManager over paged allocators. Torch-free.
+"""Continuous batching with a real BlockManager over one shared paged pool. Torch-free.
 
 `run_step` plays the engine's part: after `schedule()` it marks the scheduled
 tokens computed, appends a fake sampled token to every sequence whose tokens
@@ -22,10 +22,10 @@ FAKE_TOKEN = 7
 
 def block_manager(num_blocks: int, block_size: int = 4, sliding_window: int | None = None,
                   max_model_len: int = 4096) -> BlockManager:
-    groups = [LayerGroup((0, 1))]
+    groups = [LayerGroup((0,))]
     if sliding_window is not None:
-        groups.append(LayerGroup((2,), sliding_window=sliding_window))
-    return BlockManager(groups, lambda: ALLOCATORS.build("paged"), num_blocks, block_size, max_model_len)
+        groups.append(LayerGroup((1,), sliding_window=sliding_window))
+    return BlockManager(groups, ALLOCATORS.build("paged"), num_blocks, block_size, max_model_len)
 
 
 def request(seq_id: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
@@ -68,7 +68,7 @@ def test_prefill_is_chunked_by_the_token_budget():
     s = scheduler(block_manager(64), budget=32, seqs=[seq])
     assert chunks_of(s, seq, 6) == [32, 32, 32, 4, 1, 1]
     assert seq.is_finished and seq.num_output_tokens == 3
-    assert s.block_manager.primary_allocator.num_free_blocks == 64
+    assert s.block_manager.allocator.num_free_blocks == 64
 
 
 def test_token_budget_is_shared_and_never_exceeded():
@@ -124,7 +124,7 @@ def test_pool_exhaustion_preempts_the_most_recent_admission():
     s = scheduler(block_manager(4, block_size=4), budget=64, seqs=[a, b, c])
     batch = run_step(s)  # a: 2 blocks, b: 1, c: 1 -> pool full
     assert batch.seqs == [a, b, c]
-    assert s.block_manager.primary_allocator.num_free_blocks == 0
+    assert s.block_manager.allocator.num_free_blocks == 0
     batch = run_step(s)  # a's 9th token needs a block: c (newest) goes; b then needs one too: b goes
     assert batch.seqs == [a] and batch.num_new_tokens == [1]
     assert batch.num_preempted == 2
@@ -134,12 +134,12 @@ def test_pool_exhaustion_preempts_the_most_recent_admission():
         assert seq.status is SequenceStatus.WAITING
         assert seq.num_computed_tokens == 0 and seq.num_preemptions == 1
         assert seq.output_token_ids == [FAKE_TOKEN]  # the sampled token is kept and recomputed later
-        assert seq.seq_id not in s.block_manager.primary_allocator.tables
-    assert s.block_manager.primary_allocator.num_free_blocks == 1
+        assert seq.seq_id not in s.block_manager.allocator.tables
+    assert s.block_manager.allocator.num_free_blocks == 1
     for _ in range(60):  # ...and every request still completes, with all its outputs
         run_step(s)
     assert all(q.is_finished and q.output_token_ids == [FAKE_TOKEN] * 6 for q in (a, b, c))
-    assert s.block_manager.primary_allocator.num_free_blocks == 4
+    assert s.block_manager.allocator.num_free_blocks == 4
 
 
 def test_preempted_sequence_goes_before_requests_that_were_already_waiting():
@@ -168,10 +168,10 @@ def workloads(draw):
     reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.integers(0, 6)), min_size=2,
                          max_size=8))  # (prompt length, max_tokens, arrival step)
     need = max(-(-(p + m) // block_size) for p, m, _ in reqs)  # the longest request fits an empty pool
-    num_blocks = need + draw(st.integers(0, 2))  # tight pools: preemption is common
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    num_blocks = need * (1 if window is None else 2) + draw(st.integers(0, 2))  # tight pools: preemption is common
     budget = draw(st.integers(1, 48))
     max_num_seqs = draw(st.integers(1, 6))
-    window = draw(st.one_of(st.none(), st.integers(1, 12)))
     return block_size, reqs, num_blocks, budget, max_num_seqs, window
 
 
@@ -204,42 +204,43 @@ def test_every_request_finishes_with_its_outputs_and_the_pool_drains(workload):
         assert batch.num_preempted == len(preempted)
         assert list(s.waiting)[: len(preempted)] == preempted  # at the front, in admission order
         for q in s.running:
-            for a in bm.allocators:
-                assert a.num_tokens(q.seq_id) == q.num_computed_tokens
+            for g in range(len(bm.groups)):
+                assert bm.cached_lens([q], g) == [q.num_computed_tokens]
             if window is not None:  # every key the next query can see is still cached
                 first_visible = max(0, q.num_computed_tokens - window + 1)
-                slots = bm.allocators[1].slot_ids(q.seq_id, first_visible, q.num_computed_tokens)
+                slots = bm.allocator.slot_ids(bm.key(q, 1), first_visible, q.num_computed_tokens)
                 assert all(slot >= 0 for slot in slots)
         for q in s.waiting:
-            assert q.num_computed_tokens == 0 and all(q.seq_id not in a.tables for a in bm.allocators)
+            assert q.num_computed_tokens == 0
+            assert all(bm.key(q, g) not in bm.allocator.tables for g in range(len(bm.groups)))
     event("with preemption" if any(q.num_preemptions for q in seqs) else "without preemption")
     for q, prompt, (_, m, _) in zip(seqs, prompts, reqs):
         assert q.is_finished and q.finish_reason == "length"
         assert q.token_ids == prompt + [FAKE_TOKEN] * m
-    for a in bm.allocators:
-        assert a.num_free_blocks == a.num_blocks and a.tables == {}
+    assert bm.allocator.num_free_blocks == bm.num_blocks and bm.allocator.tables == {}
 
 
 # -- sliding window --------------------------------------------------------------------
 def test_sliding_window_group_releases_blocks_wholly_out_of_the_window():
-    bm = block_manager(16, block_size=4, sliding_window=6)
-    full, sliding = bm.allocators
+    bm = block_manager(32, block_size=4, sliding_window=6)
+    a = bm.allocator
+    full, sliding = bm.key(0, 0), bm.key(0, 1)
     seq = request(0, 20)
     bm.allocate(seq, 20)
     seq.num_computed_tokens = 20  # next query at position 20 sees keys 15..20
     bm.release_out_of_window(seq)
     # blocks holding tokens 0-3, 4-7, 8-11 are wholly before 15; 12-15 holds token 15
-    assert sliding.block_table(0)[:3] == [NULL_BLOCK] * 3
-    assert NULL_BLOCK not in sliding.block_table(0)[3:]
-    assert sliding.num_free_blocks == 16 - 5 + 3
-    assert NULL_BLOCK not in full.block_table(0) and full.num_free_blocks == 11  # full attention keeps all
+    assert a.block_table(sliding)[:3] == [NULL_BLOCK] * 3
+    assert NULL_BLOCK not in a.block_table(sliding)[3:]
+    assert NULL_BLOCK not in a.block_table(full)  # full attention keeps all
+    assert a.num_free_blocks == 32 - 5 - 5 + 3  # the released pages are back in the shared pool
     seq.num_computed_tokens = 21  # window start moves to 16: the 12-15 block goes too
     bm.append(seq, 1)
     bm.release_out_of_window(seq)
-    assert sliding.block_table(0)[:4] == [NULL_BLOCK] * 4
-    assert NULL_BLOCK not in sliding.block_table(0)[4:]  # keys 16..20 are still cached
+    assert a.block_table(sliding)[:4] == [NULL_BLOCK] * 4
+    assert NULL_BLOCK not in a.block_table(sliding)[4:]  # keys 16..20 are still cached
     bm.free(seq)
-    assert sliding.num_free_blocks == full.num_free_blocks == 16
+    assert a.num_free_blocks == 32
 
 
 def test_sliding_window_keeps_everything_while_the_sequence_is_shorter_than_the_window():
@@ -248,4 +249,4 @@ def test_sliding_window_keeps_everything_while_the_sequence_is_shorter_than_the_
     bm.allocate(seq, 20)
     seq.num_computed_tokens = 20
     bm.release_out_of_window(seq)
-    assert NULL_BLOCK not in bm.allocators[1].block_table(0)
+    assert NULL_BLOCK not in bm.block_tables([seq], 1)[0]
