@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.models import load_model, packaged_gguf, resolve
@@ -43,3 +44,23 @@ def test_sliding_window_blocks_go_back_to_the_shared_pool():
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert bm.allocator.num_free_blocks == bm.num_blocks
+
+
+def test_pages_out_of_the_window_are_never_read_again():
+    """After every step, every free page of the pool (sliding-window pages released included) is
+    overwritten with huge values: the generated tokens must not change."""
+    def run(poison: bool) -> list[int]:
+        llm = LLM("random:gemma3-tiny", block_size=4, kv_cache_memory="1MiB")
+        engine, bm = llm.engine, llm.engine.block_manager
+        engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=12, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+            if poison:
+                free = torch.tensor(list(bm.allocator.free_blocks), dtype=torch.long)
+                for layer in range(llm.model_config.num_hidden_layers):
+                    engine.cache.k(layer)[free] = 1e4
+                    engine.cache.v(layer)[free] = -1e4
+        return outs[0].token_ids
+
+    assert run(poison=True) == run(poison=False)
