@@ -194,6 +194,26 @@ class LLMEngine:
         """
         return self.add_sequence(self.make_sequence(prompt_token_ids, params or SamplingParams(), arrival_time))
 
+    def fork(self, request_id: int, params: SamplingParams | None = None) -> int:
+        """A new request continuing a running generation request from where it is: it shares every
+        page the parent holds (copy-on-write on the first write into a shared page) and samples with
+        `params` (default: the parent's). The basis of parallel sampling and beam-style search."""
+        parent = next((s for s in self.scheduler.running if s.seq_id == request_id), None)
+        if parent is None or parent.is_scoring or parent.num_uncomputed_tokens != 1:
+            raise ValueError(f"request {request_id} is not a running generation request between decode steps")
+        params = params or parent.params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        child = Sequence(seq_id, parent.token_ids, params, min(parent.num_prompt_tokens + params.max_tokens,
+                                                                self.max_model_len), parent.arrival_time)
+        child.num_prompt_tokens, child.first_token_time = parent.num_prompt_tokens, parent.first_token_time
+        self.block_manager.fork(parent, child)
+        self.scheduler.admit_forked(child, parent.num_computed_tokens)
+        if not params.greedy:
+            self._generators[seq_id] = request_generator(self.config.seed, seq_id, params.seed)
+        return seq_id
+
     def abort(self, request_id: int) -> bool:
         """Stop an unfinished request and free its pages; False if it is unknown or already finished."""
         seq = self.scheduler.abort(request_id)

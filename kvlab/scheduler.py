@@ -84,6 +84,12 @@ class Scheduler:
                 return False
         return True
 
+    def admit_forked(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """A sequence forked from a running one (its pages already shared by the block manager)."""
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def advance(self, batch: ScheduledBatch) -> None:
         """The step ran: each scheduled sequence now has its `n` new tokens in the cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
