@@ -129,3 +129,37 @@ def test_gemma3_matches_hf_under_preemption(fresh_model, load_reference):
     stats = check(fresh_model, load_reference, "gemma3-270m", _gemma_prompts(tok), 12, block_size=16,
                   kv_cache_memory=720 * bytes_per_token(config), max_num_batched_tokens=256)
     assert stats["preemptions"] > 0
+
+
+# -- stopping: EOS and stop_token_ids against Hugging Face ----------------------------------
+CHAT_STOPS = "What is the capital of France? One word."  # HF greedy: " The capital of France is Paris." + EOS
+CHAT_RUNS_ON = "Say yes."  # HF greedy does not stop within 10 tokens
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.model
+def test_smollm2_stops_at_eos_and_at_stop_token_ids_like_hf(fresh_model, load_reference):
+    ref = load_reference("smollm2-135m")
+    tok, eos = ref.tokenizer, ref.tokenizer.eos_token_id
+    stopping, running_on = chat_ids(tok, CHAT_STOPS), chat_ids(tok, CHAT_RUNS_ON)
+    gen = ref.model.generate(torch.tensor([stopping]), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)
+    hf_eos = gen[0, len(stopping):].tolist()
+    assert hf_eos[-1] == eos and len(hf_eos) < 10  # the premise: HF stops early on EOS
+    [hf_past_eos, free] = hf_greedy(ref.model, [stopping, running_on], 10)  # no EOS: as ignore_eos
+    assert hf_past_eos[: len(hf_eos)] == hf_eos and eos not in free
+    stop_at = next(i for i in range(3, 10) if free[i] not in free[:i])  # a token HF first emits mid-output
+
+    llm = LLM("smollm2-135m", loaded=fresh_model("smollm2-135m"), block_size=16, kv_cache_memory="32MiB")
+    outs = llm.generate([stopping, running_on, running_on, stopping],  # one batch: stopped requests leave early
+                        [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10),
+                         SamplingParams(max_tokens=10, stop_token_ids=[free[stop_at]]),
+                         SamplingParams(max_tokens=10, ignore_eos=True)])
+    assert (outs[0].token_ids, outs[0].finish_reason) == (hf_eos, "stop")
+    assert (outs[1].token_ids, outs[1].finish_reason) == (free, "length")
+    assert (outs[2].token_ids, outs[2].finish_reason) == (free[: stop_at + 1], "stop")
+    assert (outs[3].token_ids, outs[3].finish_reason) == (hf_past_eos, "length")
