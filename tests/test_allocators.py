@@ -39,7 +39,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from(BLOCK_SIZES), num_blocks=st.integers(1, 24), data=st.data())
     def setup(self, block_size, num_blocks, data):
         self.max_model_len = data.draw(st.integers(1, num_blocks * block_size), label="max_model_len")
-        self.a = make(self.name, num_blocks, block_size, self.max_model_len, **self.params)
+        self.a = make(self.name, num_blocks, block_size, self.max_model_len, **self.params, **self.draw_params(data))
         self.bs = block_size
         self.lengths: dict[int, int] = {}  # model: seq_id -> tokens
         self.released: dict[int, int] = {}  # model: seq_id -> leading blocks released by release_before
@@ -48,6 +48,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.lengths == {0: 1}
 
     # -- helpers ---------------------------------------------------------------
+    def draw_params(self, data) -> dict:
+        """Allocator parameters drawn per example (on top of the class's fixed `params`)."""
+        return {}
+
     def _snapshot(self):
         return copy.deepcopy({k: v for k, v in vars(self.a).items()})
 
@@ -74,6 +78,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.lengths[seq], self.released[seq] = num_tokens, 0
             taken = free_before - self.a.num_free_blocks
             assert taken == self.a.blocks_for(self.a.reservation(num_tokens, num_tokens + extra))
+            kept_back = self.a.num_blocks - self.a.usable_blocks
+            assert self.a.num_free_blocks >= kept_back, "admission ate into the blocks kept back"
         else:
             event("allocate refused")
             self._expect_out_of_blocks(lambda: self.a.allocate(seq, num_tokens, num_tokens + extra))
@@ -159,6 +165,13 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 class PagedMachine(AllocatorMachine):
     name = "paged"
+
+    def draw_params(self, data) -> dict:
+        # watermark 0 half the time; otherwise admission keeps int(watermark * num_blocks) blocks back
+        watermark = data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.25, 0.5, 0.9]), label="watermark")
+        if watermark:
+            event("watermark set")
+        return {"watermark": watermark}
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -417,6 +430,20 @@ def test_paged_watermark_keeps_blocks_back_from_admission():
     assert not a.can_allocate(33, 33)  # 9 blocks would eat into the 2 kept back
     with pytest.raises(ValueError, match="watermark"):
         ALLOCATORS.build("paged", watermark=1.0)
+
+
+def test_paged_watermark_refuses_allocate_exactly_when_can_allocate_does():
+    a = make("paged", 16, 1, watermark=0.5)  # 8 of 16 blocks kept back from admission
+    assert not a.can_allocate(12, 12)  # 12 blocks free would fit, but only 8 may be admitted
+    with pytest.raises(OutOfBlocks, match="watermark"):
+        a.allocate(0, 12, 12)
+    assert a.num_free_blocks == 16 and a.tables == {}
+    assert a.can_allocate(8, 8)
+    a.allocate(0, 8, 8)
+    a.append_slots(0, 4)  # growth may use the reserve: only admission is held back
+    assert a.num_free_blocks == 4 and not a.can_allocate(1, 1)
+    with pytest.raises(OutOfBlocks):
+        a.allocate(1, 1, 1)
 
 
 def test_setup_rejects_an_empty_pool():

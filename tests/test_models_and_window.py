@@ -11,13 +11,24 @@ from kvlab.models import load_model, packaged_gguf, resolve
 
 @pytest.mark.model
 def test_local_folder_and_gguf_path_load_the_same_model(load_reference):
+    """The converted-model cache gives the logits Hugging Face computes from the GGUF file itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     ref = load_reference("smollm2-135m")
     gguf = packaged_gguf("smollm2-135m")
     folder = resolve(str(gguf))  # a .gguf path converts (once) into the cache folder
     assert folder == resolve("smollm2-135m")
     local = load_model(str(folder))  # a local Hugging Face folder
-    assert type(local.model) is type(ref.model)
-    assert local.tokenizer("The capital of France is")["input_ids"] == ref.tokenizer("The capital of France is")["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()  # ~18 s
+    text = "The capital of France is"
+    ids = ref.tokenizer(text)["input_ids"]
+    assert local.tokenizer(text)["input_ids"] == ids
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits  # [1, T, V]
+        for loaded in (ref, local):
+            assert type(loaded.model) is type(hf)
+            torch.testing.assert_close(loaded.model(torch.tensor([ids])).logits, expected, atol=1e-4, rtol=0)
 
 
 def test_random_model_from_a_config_shape():

@@ -99,6 +99,63 @@ def test_sample_frequencies_follow_the_tempered_softmax(temperature):
         assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, (t, freq, p)
 
 
+# -- tempered + filtered frequencies against an independent reference ----------------------
+# chi-square critical values at p = 1e-4 (scipy.stats.chi2.isf(1e-4, df)): a false alarm in 10,000 runs
+CHI2_CRIT = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86}
+SUPPORT = [17, 3, 41, 8, 60, 29, 0]  # vocab ids of the live logits, not in rank order
+LIVE_LOGITS = [2.0, 1.6, 1.2, 0.8, 0.4, 0.0, -0.4]
+
+
+def expected_distribution(logits: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """Brute force, in plain Python: temper, softmax, keep the k most likely, then walk them in order keeping
+    each token while the renormalised mass before it is < top_p (the first is always kept); renormalise."""
+    z = [x / temperature for x in logits]
+    e = [math.exp(x - max(z)) for x in z]
+    probs = [x / sum(e) for x in e]
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])[: top_k or len(probs)]
+    total = sum(probs[i] for i in ranked)
+    kept, before = [], 0.0
+    for i in ranked:
+        if not kept or before < top_p:
+            kept.append(i)
+        before += probs[i] / total
+    mass = sum(probs[i] for i in kept)
+    return {i: probs[i] / mass for i in kept}
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, kept", [
+    (0.5, 0, 0.6, 2),   # at T=1 top-p 0.6 would keep 3 tokens
+    (0.5, 0, 0.9, 3),   # at T=1: 5
+    (0.5, 4, 0.7, 2),   # at T=1: 3
+    (0.5, 5, 0.9, 3),   # at T=1: 4
+    (0.5, 3, 1.0, 3),   # top-k alone: the tempered softmax over the three kept
+    (2.0, 0, 0.6, 4),   # at T=1: 3
+    (2.0, 0, 0.9, 6),   # at T=1: 5
+    (2.0, 5, 0.9, 5),   # at T=1: 4
+    (2.0, 3, 1.0, 3),
+])
+def test_tempered_top_k_top_p_frequencies_match_a_brute_force_reference(temperature, top_k, top_p, kept):
+    """Temperature comes first, then top-k / top-p on the tempered distribution (vLLM, HF's logits warpers).
+
+    The live logits are chosen so that the kept set at T=1 differs from the one at T: filtering the
+    untempered logits would keep another set. 4,000 seeded draws, Pearson chi-square at p = 1e-4.
+    """
+    row = torch.full((VOCAB,), -1e9)
+    row[SUPPORT] = torch.tensor(LIVE_LOGITS)
+    expected = expected_distribution(LIVE_LOGITS, temperature, top_k, top_p)
+    assert len(expected) == kept  # the reference itself, checked by hand above
+    n = 4000
+    tokens = draws(row, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), n, seed=11)
+    allowed = {SUPPORT[i] for i in expected}
+    assert set(tokens) <= allowed, f"drew filtered-out tokens {set(tokens) - allowed}"
+    counts = {i: tokens.count(SUPPORT[i]) for i in expected}
+    chi2 = sum((counts[i] - n * p) ** 2 / (n * p) for i, p in expected.items())
+    if len(expected) > 1:
+        assert chi2 < CHI2_CRIT[len(expected) - 1], (counts, {i: round(n * p) for i, p in expected.items()})
+    else:
+        assert counts[next(iter(expected))] == n
+
+
 def _seeded_run(position: int, companions: list[SamplingParams], steps: int = 12) -> list[int]:
     """Tokens of one seeded request placed at `position` among `companions`, one sample per step."""
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)

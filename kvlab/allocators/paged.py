@@ -57,8 +57,9 @@ class PagedAllocator(Allocator):
     def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        if self.blocks_for(num_tokens) > self.num_free_blocks:
-            raise OutOfBlocks(f"sequence {seq_id} needs {self.blocks_for(num_tokens)} blocks")
+        if not self.can_allocate(num_tokens, max_tokens):
+            raise OutOfBlocks(f"sequence {seq_id} needs {self.blocks_for(num_tokens)} blocks; {self.num_free_blocks} "
+                              f"free, {self.num_blocks - self.usable_blocks} kept back by the watermark")
         self.tables[seq_id] = [self._take() for _ in range(self.blocks_for(num_tokens))]
         self.lengths[seq_id] = num_tokens
 

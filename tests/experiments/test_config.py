@@ -37,17 +37,51 @@ def all_options():
     return [(g, o) for g in GROUPS for o in group_options(g)]
 
 
+def assert_contains(expected, actual, path: str) -> None:
+    """Every key of `expected` (a YAML file's mapping) is in `actual` with the same value, recursively."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{path}: expected a mapping, got {actual!r}"
+        for key, value in expected.items():
+            assert key in actual, f"{path}.{key} is missing from the composed config"
+            assert_contains(value, actual[key], f"{path}.{key}")
+    else:
+        assert actual == expected, f"{path}: composed {actual!r}, the YAML says {expected!r}"
+
+
 @pytest.mark.parametrize("group,option", all_options())
 def test_every_option_composes_validates_and_builds(compose, group, option):
+    from omegaconf import OmegaConf
+
     cfg = compose([f"{group}={option}"])
+    composed = OmegaConf.to_container(cfg, resolve=False)
+    path = CONF_DIR / group / f"{option}.yaml"
+    yaml_node = yaml.safe_load(path.read_text()) if path.exists() else None
+    if group == "experiment":  # a `# @package _global_` override: its values land at the top level
+        body = {k: v for k, v in yaml_node.items() if k not in ("defaults", "hydra")}
+        assert_contains(body, composed, "<root>")
+        assert composed["name"] == option
+        for override in yaml_node.get("defaults", []):  # `override /task: niah` selects that option's file...
+            [(target, choice)] = override.items()
+            target = target.split("/")[-1]
+            selected = OmegaConf.create(yaml.safe_load((CONF_DIR / target / f"{choice}.yaml").read_text()))
+            expected = OmegaConf.merge(selected, body.get(target) or {})  # ...and the experiment's values win
+            assert_contains(OmegaConf.to_container(expected), composed[target], target)
+    elif yaml_node is not None:
+        assert_contains(yaml_node, composed[group], group)
+    else:  # a registered plugin without a YAML file: its name and every parameter, at their defaults
+        assert composed[group]["name"] == option
+        fields = plugin_fields(REGISTRIES[group].get(option))
+        assert {k: v for k, v in composed[group].items() if k != "name"} == {k: d for k, (_, d) in fields.items()}
     config = validate(cfg)
     if group in ("task", "workload", "logger") and config[group] is not None:
         params = {k: v for k, v in config[group].items() if k != "_target_"}
         module, _, name = config[group]["_target_"].rpartition(".")
-        getattr(importlib.import_module(module), name)(**params)  # cheap: reads no data, opens no run
+        built = getattr(importlib.import_module(module), name)(**params)  # cheap: reads no data, opens no run
+        assert {k: getattr(built, k) for k in params} == params
     if group in ("policy", "quant") or (group == "draft" and option != "none"):
         params = {k: v for k, v in config[group].items() if k != "name"}
-        REGISTRIES[group].build(config[group]["name"], **params)
+        built = REGISTRIES[group].build(config[group]["name"], **params)
+        assert {k: getattr(built, k) for k in params} == params
 
 
 def test_default_experiment_composes(compose):
