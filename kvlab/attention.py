@@ -11,7 +11,7 @@ layer as the forward keyword `kvlab_meta`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class StepMetadata:
     cache: KVCache
     slot_mapping: list[torch.Tensor]  # per layer group: [T] int64 slot of each new token
     plans: list[AttentionPlan]  # per layer group
+    query_rows: torch.Tensor | None = None  # [W] packed tokens whose queries the cache policy needs
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, Hq, D], filled by the layers
 
 
 def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
@@ -81,6 +83,8 @@ def paged_attention_forward(
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
+    if meta.query_rows is not None:
+        meta.queries[layer] = q.index_select(0, meta.query_rows)  # [W, Hq, D]
     meta.cache.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping[group])
     scales = meta.cache.scales[layer] or (None, None)
     out = ops.run_paged_attention(q, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,

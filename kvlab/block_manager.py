@@ -35,15 +35,16 @@ class LayerGroup:
         return "full" if self.sliding_window is None else f"window{self.sliding_window}"
 
 
-def equal_groups(layer_windows: list[int | None]) -> list[LayerGroup]:
+def equal_groups(layer_windows: list[int | None], size: int | None = None) -> list[LayerGroup]:
     """Split layers (window of each, None = full attention) into groups of one kind and equal size.
 
-    The size is the gcd of the kinds' layer counts, so every page has the same size; layers of a
-    kind go to groups in order (Gemma 3's 15 sliding + 3 full layers: groups of 3)."""
+    The size is the gcd of the kinds' layer counts unless given (1: a table per layer, for per-layer
+    eviction), so every page has the same size; layers of a kind go to groups in order (Gemma 3's
+    15 sliding + 3 full layers: groups of 3)."""
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(window, []).append(layer)
-    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    size = size or math.gcd(*(len(layers) for layers in kinds.values()))
     groups = [LayerGroup(tuple(layers[i:i + size]), window)
               for window, layers in kinds.items() for i in range(0, len(layers), size)]
     return sorted(groups, key=lambda g: g.layers[0])
@@ -163,6 +164,14 @@ class BlockManager:
     def cached_lens(self, seqs: Iterable[Sequence], group: int) -> list[int]:
         """Cached slots of each sequence in one group (its tokens, less evicted, plus tentative ones)."""
         return [self.allocator.num_tokens(self.key(s, group)) for s in seqs]
+
+    def slot_ids(self, seq: Sequence, group: int, start: int, end: int) -> list[int]:
+        """Slots of cache indices [start, end) of `seq` in one group."""
+        return self.allocator.slot_ids(self.key(seq, group), start, end)
+
+    def cached_total(self, seq: Sequence) -> int:
+        """Slots `seq` has written over the full-attention groups (for the waste figures)."""
+        return sum(self.allocator.num_tokens(self.key(seq, g)) for g in self.full_groups)
 
     def num_used_blocks(self) -> int:
         return self.allocator.num_used_blocks

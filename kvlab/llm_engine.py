@@ -19,6 +19,7 @@ import torch
 
 from kvlab import attention
 from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
+from kvlab.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
 from kvlab.kv_cache import KVCache, bytes_per_block
@@ -33,15 +34,16 @@ from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
 
 
-def layer_groups(config) -> list[LayerGroup]:
+def layer_groups(config, per_layer: bool = False) -> list[LayerGroup]:
     """Layers grouped by attention kind (full, or a sliding window: Gemma 2/3, Mistral) into groups of
-    equal size, so that every page of the shared pool has one size."""
+    equal size, so that every page of the shared pool has one size; `per_layer`: one layer a group."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
     types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
-    return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types])
+    return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types],
+                        1 if per_layer else None)
 
 
 def as_token_ids(ids) -> list[int]:
@@ -94,7 +96,7 @@ class LLMEngine:
         eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
 
-        groups = layer_groups(mc)
+        groups = layer_groups(mc, per_layer=self.policy.compresses)
         num_kv_heads = mc.num_key_value_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
@@ -112,6 +114,8 @@ class LLMEngine:
                              config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
+        self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
+            if self.policy.compresses else None
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}
@@ -245,13 +249,19 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
             return []
+        due = rows = None
+        if self.compressor:
+            due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+            rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         try:
-            out = self.runner.run(batch)
+            out = self.runner.run(batch, rows if rows and any(rows) else None)
             tokens = self._sample(out)
         except BaseException:
             self.scheduler.unschedule(batch)
             raise
         self.scheduler.advance(batch)
+        if self.compressor:
+            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries)
         self._record_step(batch.num_preempted)
         finished = self._postprocess(out, tokens)
         for seq in self.scheduler.running:
@@ -304,13 +314,15 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sequence:
+        # the final length in the cache (the last sampled token is never written; evicted ones are gone)
+        final = self.block_manager.cached_total(seq)
         self.scheduler.finish(seq, reason)
+        if self.compressor:
+            self.compressor.forget(seq)
         seq.finish_time = now
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
         n_out = seq.num_output_tokens if not seq.is_scoring else 0
-        # the final length in the cache (the last sampled token is never written), in every full group
-        final = seq.num_computed_tokens * len(self.block_manager.full_groups)
         self.metrics.record_finish(seq.seq_id, final, seq.num_prompt_tokens, n_out, seq.ttft, seq.tpot)
         return seq
 

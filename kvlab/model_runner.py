@@ -8,7 +8,7 @@ step from the block manager (`kvlab.attention.plan_step`) and shared by every la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class StepOutput:
     logits: torch.Tensor  # [R, V] float32, one row per requested position
     sample_rows: list[tuple[Sequence, int]]  # sequences that sample a token, and their logits row
     score_rows: list[tuple[Sequence, list[int], list[int]]]  # scoring: (seq, rows, target token ids)
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> per seq [W, Hq, D]
 
 
 class ModelRunner:
@@ -35,8 +36,18 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None) -> StepOutput:
+        """One forward pass; `query_rows[i]`: keep the queries of the last that many tokens of
+        sequence i's chunk in every layer (for the cache policy), 0 for none."""
         input_ids, positions, meta, keep, sample_rows, score_rows = self.prepare(batch)
+        counts = []
+        if query_rows:
+            rows, offset = [], 0
+            for n, w in zip(batch.num_new_tokens, query_rows):
+                counts.append(min(n, w))
+                rows.extend(range(offset + n - counts[-1], offset + n))
+                offset += n
+            meta.query_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.cache.copy_blocks(self.block_manager.take_copies())
         out = self.model(
             input_ids=input_ids[None],
@@ -45,7 +56,8 @@ class ModelRunner:
             logits_to_keep=keep,
             kvlab_meta=meta,
         )
-        return StepOutput(out.logits[0].float(), sample_rows, score_rows)
+        queries = {layer: list(q.split(counts)) for layer, q in meta.queries.items()} if counts else {}
+        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries)
 
     def prepare(self, batch: ScheduledBatch):
         ids: list[int] = []

@@ -1,0 +1,107 @@
+"""Applies the cache policy: after a step, gather a sequence's cached K/V per layer, keep what the
+policy selects, compact the survivors into fewer pages and free the rest (through the block manager).
+
+With a compressing policy the engine gives every layer its own group (its own table), so each layer
+keeps its own tokens and frees its own pages. Sliding-window groups are left alone (their window
+already bounds them, and the window is applied in cache-index space).
+
+Policies that read recent queries (an observation window of `query_window` tokens) get the queries
+of the last `query_window` prompt tokens whatever the chunking, collected over as many prefill
+chunks as they span (and, with `when="decode"`, of the latest decode steps): the kept set never
+depends on what else was in the batch.
+
+When a sequence is compressed:
+- `when="prefill"`: once, in the step that computes the last token of its prompt (a scoring request:
+  of its context);
+- `when="chunk"`: after every prefill chunk;
+- `when="decode"`: after the prefill, then every `every` decode steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.block_manager import BlockManager
+from kvlab.kernels.reference.store_kv import dequantize_ref
+from kvlab.kv_cache import KVCache
+from kvlab.policies.base import Policy
+from kvlab.sequence import Sequence
+
+
+class Compressor:
+    def __init__(self, policy: Policy, block_manager: BlockManager, cache: KVCache, compute_dtype: torch.dtype):
+        self.policy = policy
+        self.bm = block_manager
+        self.cache = cache
+        self.dtype = compute_dtype
+        self.num_layers = sum(len(g.layers) for g in block_manager.groups)
+        self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
+        self._decode_steps: dict[int, int] = {}
+        self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
+
+    def query_rows(self, seq: Sequence, num_new_tokens: int) -> int:
+        """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
+        w = self.policy.query_window
+        if not w:
+            return 0
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+        prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
+        if start < prompt_end:
+            return max(0, end - max(start, prompt_end - w))
+        return min(num_new_tokens, w) if self.policy.when == "decode" else 0
+
+    def due(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step?"""
+        p = self.policy
+        end = seq.num_computed_tokens + num_new_tokens
+        prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
+        in_prefill = seq.num_computed_tokens < prompt_end
+        if in_prefill:
+            return end >= prompt_end or p.when == "chunk"
+        if p.when != "decode":
+            return False
+        return (self._decode_steps.get(seq.seq_id, 0) + 1) % p.every == 0
+
+    def after_step(self, seqs: list[Sequence], num_new_tokens: list[int], due: list[bool],
+                   queries: dict[int, list[torch.Tensor]]) -> None:
+        """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]), then compress
+        the sequences that were due."""
+        w = self.policy.query_window
+        for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
+            prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
+            if seq.num_computed_tokens > prompt_end:  # a decode (or continuation) step
+                self._decode_steps[seq.seq_id] = self._decode_steps.get(seq.seq_id, 0) + 1
+            if w and queries:
+                if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
+                    self._queries.pop(seq.seq_id, None)
+                kept = self._queries.setdefault(seq.seq_id, {})
+                for layer, q in queries.items():
+                    if q[i].shape[0]:
+                        kept[layer] = torch.cat([kept[layer], q[i]])[-w:] if layer in kept else q[i][-w:]
+            if is_due:
+                self.compress(seq, self._queries.get(seq.seq_id, {}))
+
+    def compress(self, seq: Sequence, queries: dict[int, torch.Tensor]) -> int:
+        """Compress every full-attention layer of `seq`; returns the pages freed."""
+        before = self.bm.num_used_blocks()
+        for g in self.groups:
+            layer = self.bm.groups[g].layers[0]
+            keys, values = self.gather(seq, g, layer)
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None)
+            if keep is not None:
+                self.cache.move_slots(self.bm.compact(seq, g, keep))
+        return before - self.bm.num_used_blocks()
+
+    def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""
+        n = self.bm.cached_lens([seq], group)[0]
+        slots = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=self.cache.k(layer).device)
+        k, v = self.cache.k(layer), self.cache.v(layer)
+        k_scale, v_scale = self.cache.scales[layer] or (None, None)
+        k = dequantize_ref(k.view(-1, *k.shape[2:]).index_select(0, slots), k_scale, self.dtype)
+        v = dequantize_ref(v.view(-1, *v.shape[2:]).index_select(0, slots), v_scale, self.dtype)
+        return k, v
+
+    def forget(self, seq: Sequence) -> None:
+        self._decode_steps.pop(seq.seq_id, None)
+        self._queries.pop(seq.seq_id, None)

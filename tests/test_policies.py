@@ -1,0 +1,119 @@
+"""Eviction policies inside the engine: the conformance suite for every built-in, real memory freed,
+and bad parameters refused before any work starts.
+
+Fast cases on the tiny random Llama and Gemma 3 shapes; the real models (SmolLM2, Gemma 3) are heavy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.registry import POLICIES
+from kvlab.testing import check_policy
+
+BUILTINS = {  # policy -> arguments that compress ~100-token prompts
+    "random": {"budget": 32},
+    "streaming_llm": {"budget": 32},
+    "knorm": {"budget": 32},
+    "keydiff": {"compression_ratio": 0.5},
+    "snapkv": {"budget": 32, "window_size": 8},
+    "tova": {"compression_ratio": 0.6},
+    "pyramidkv": {"budget": 32, "window_size": 8},
+}
+
+
+def test_every_registered_compressing_policy_is_covered():
+    compressing = {n for n in POLICIES.names() if POLICIES.get(n).compresses}
+    assert compressing == set(BUILTINS)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_conforms_on_tiny_llama(name):
+    check_policy(name, BUILTINS[name], "random:llama-tiny")
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm"])
+def test_builtin_conforms_on_tiny_gemma3_with_sliding_layers(name):
+    check_policy(name, BUILTINS[name], "random:gemma3-tiny")
+
+
+@pytest.mark.heavy
+@pytest.mark.model
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_conforms_on_real_models(fresh_model, model, name):
+    check_policy(name, BUILTINS[name], model, loaded=fresh_model(model), kv_cache_memory="64MiB", max_tokens=4)
+
+
+def test_pages_held_during_decode_follow_the_budget():
+    """A 1,500-token prompt at budget 128: while decoding, each layer holds its budget plus the tokens
+    generated since, in whole pages (within one page of the budget per layer)."""
+    llm = LLM("random:llama-135m", policy="snapkv", policy_args={"budget": 128, "window_size": 16},
+              kv_cache_memory="96MiB", max_num_batched_tokens=512)
+    full = LLM("random:llama-135m", kv_cache_memory="96MiB", max_num_batched_tokens=512)
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompt = torch.randint(3, 49152, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    seq = engine.scheduler.waiting[0]
+    while engine.has_unfinished():
+        engine.step()
+        if seq.num_computed_tokens > len(prompt) and not seq.is_finished:
+            extra = seq.num_computed_tokens - len(prompt)  # decoded tokens written since the compression
+            for g in range(len(bm.groups)):
+                pages = [b for b in bm.block_tables([seq], g)[0] if b >= 0]
+                assert len(pages) <= -(-(128 + extra) // bm.block_size) <= 128 // bm.block_size + 1
+            assert bm.num_used_blocks() <= 30 * (128 // bm.block_size + 1)
+    full.generate([prompt], SamplingParams(max_tokens=1))
+    assert full.stats()["kv_blocks_peak"] * 30 >= 1500 // 16  # the full cache holds every token (30 layers a page)
+
+
+def test_policies_keep_the_positions_of_what_they_keep():
+    """A budget that covers the prompt keeps everything: the output equals the full cache's, at several
+    chunk sizes (so compression after every chunk with a covering budget is a no-op too)."""
+    p = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = LLM("random:llama-tiny").generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    for when in ("prefill", "chunk", "decode"):
+        llm = LLM("random:llama-tiny", policy="knorm", policy_args={"budget": 500, "when": when, "every": 2},
+                  max_num_batched_tokens=32)
+        assert llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == want
+
+
+def test_decode_time_compression_keeps_the_cache_bounded():
+    llm = LLM("random:llama-tiny", policy="streaming_llm", policy_args={"budget": 24, "when": "decode", "every": 4},
+              block_size=4)
+    bm = llm.engine.block_manager
+    llm.engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=40, ignore_eos=True))
+    seq = llm.engine.scheduler.waiting[0]
+    most = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        if not seq.is_finished:
+            most = max(most, max(bm.cached_lens([seq], g)[0] for g in range(len(bm.groups))))
+    assert most <= 24 + 4  # compressed back to the budget every 4 decode steps
+
+
+def test_scoring_under_a_policy_compresses_the_context_then_scores():
+    ctx = torch.randint(3, 256, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    cont = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = LLM("random:llama-tiny").score([ctx], [cont])[0].logprobs
+    kept = LLM("random:llama-tiny", policy="knorm", policy_args={"budget": 16}).score([ctx], [cont])[0].logprobs
+    covering = LLM("random:llama-tiny", policy="knorm", policy_args={"budget": 500}).score([ctx], [cont])[0].logprobs
+    assert len(kept) == len(full) == 10 and kept != full
+    torch.testing.assert_close(torch.tensor(covering), torch.tensor(full), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"budget": 0}, "budget must be an integer >= 1"),
+    ({"budget": 2.5}, "budget must be an integer >= 1"),
+    ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
+    ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
+    ({}, "give a budget .* or a compression_ratio"),
+    ({"budget": 8, "compression_ratio": 0.5}, "not both"),
+    ({"budget": 8, "when": "sometimes"}, "when must be one of prefill, chunk, decode"),
+    ({"budget": 8, "every": 0}, "every must be an integer >= 1"),
+])
+def test_bad_policy_parameters_fail_before_the_model_loads(args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("does-not-exist", policy="knorm", policy_args=args)
