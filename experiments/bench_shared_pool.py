@@ -152,8 +152,9 @@ def report(results: dict, meta: dict) -> str:
              f"{a['before_fits']} longest requests in its full-attention pool), block {a['block_size']}, "
              f"max_model_len {a['max_model_len']}, max_num_batched_tokens {a['max_batched_tokens']}, float32. "
              f"Medians of {a['repeats']} runs, before and after alternating, each in a fresh process.", "",
-             "Before: a page (block id) holds every layer, and each of the 2 layer groups has its own pool of "
-             "that many blocks. After: a page holds one group's layers, all groups share one pool.", "",
+             "Before: a page (block id) holds every layer, and each layer group (full attention, sliding window) "
+             "has a pool of its own of that many pages. After: a page holds one group's layers and the "
+             f"{results['rows'][-1]['num_groups']} groups share one pool.", "",
              table(results["rows"], COLUMNS), ""]
     if r:
         lines += [f"after / before: max concurrent sequences {r['max_concurrent_seqs']:.2f}x, mean "
@@ -201,11 +202,15 @@ def engine_spec(args, prompts: list[list[int]], kv_memory: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    import torch
+
     from kvlab.loggers.local import to_json
     from kvlab.models import load_model
     from kvlab.tasks.data import get_tokenizer
 
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # as in each measurement, so the metadata records it
     loaded = load_model(args.model)
     prompts = make_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
     kv_memory = int(args.kv_memory) if args.kv_memory else before_budget(loaded.model.config, args)
