@@ -1,0 +1,59 @@
+"""experiments/bench_shared_pool.py: its measurement on a tiny random Gemma 3 beats the per-group split's bound,
+and an old revision assembled on PYTHONPATH is the kvlab a subprocess imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_shared_pool.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its helpers from bench_throughput
+    try:
+        spec = importlib.util.spec_from_file_location("bench_shared_pool", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_shared_pool_admits_more_than_a_per_group_split(bench):
+    # random:gemma3-tiny: 5 sliding layers (window 8) + 1 full layer, 1 KV head of 32 -> six groups of one layer;
+    # a page is 4 tokens of one layer: 2 * 4 * 32 * 4 bytes = 1 KiB.
+    pages, block, prompt_len, new = 144, 4, 40, 8
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(8)]
+    result = bench.measure({"model": "random:gemma3-tiny", "prompts": prompts, "max_tokens": new, "threads": 0,
+                            "engine": dict(block_size=block, kv_cache_memory=pages * 1024, max_model_len=64,
+                                           max_num_batched_tokens=16, dtype="float32")})
+    assert result["shared_pool"] and result["num_groups"] == 6 and result["page_layers"] == 1
+    assert result["kv_blocks_total"] == pages
+    assert all(len(t) == new for t in result["token_ids"])
+    # Split per group (before), a block id spans all 6 layers: 144 KiB / 6 KiB = 24 blocks in each pool, and the
+    # full-attention pool holds 24 // (40 / 4) = 2 prompts. Shared, a sequence costs 10-12 full pages plus a few
+    # window pages per sliding group (window 8 + a 16-token chunk), so the pool holds more.
+    per_group_bound = (pages // 6) // (prompt_len // block)
+    assert per_group_bound == 2
+    assert result["max_concurrent_seqs"] > per_group_bound
+
+
+def test_old_revision_wins_the_import(bench, tmp_path):
+    if subprocess.run(["git", "-C", str(SCRIPT.parent), "rev-parse", "ce793cb"], capture_output=True).returncode:
+        pytest.skip("not a git checkout holding ce793cb")
+    site = bench.assemble("ce793cb", tmp_path)
+    assert (site / "kvlab" / "policies").is_dir() and (site / "kvlab" / "kernels").is_dir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", "import kvlab.block_manager as b; print(b.__file__)"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).is_relative_to(site)
