@@ -34,7 +34,7 @@ class Policy(ABC):
     """Base class of eviction / compression policies; subclasses are dataclasses of their parameters."""
 
     budget: int | None = None  # tokens kept per sequence per layer (None: use compression_ratio)
-    compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention)
+    compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention; neither given: 0)
     when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk; "decode": also while decoding
     every: int = 64  # with when="decode": compress again after this many decode steps
 
@@ -48,8 +48,6 @@ class Policy(ABC):
     def __post_init__(self) -> None:
         if not self.compresses:
             return
-        if self.budget is None and self.compression_ratio is None:
-            raise ValueError(f"{type(self).__name__}: give a budget (tokens kept) or a compression_ratio")
         if self.budget is not None and self.compression_ratio is not None:
             raise ValueError(f"{type(self).__name__}: give a budget or a compression_ratio, not both")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
@@ -67,7 +65,7 @@ class Policy(ABC):
         """Tokens one layer keeps out of `num_cached` (kvpress: int(n * (1 - ratio)))."""
         if self.budget is not None:
             return min(num_cached, self.budget)
-        return int(num_cached * (1.0 - self.compression_ratio))
+        return int(num_cached * (1.0 - (self.compression_ratio or 0.0)))
 
     # -- the hooks ---------------------------------------------------------------
     @abstractmethod

@@ -12,7 +12,8 @@ from kvlab.policies.base import Policy
 @POLICIES.register("full")
 @dataclass
 class Full(Policy):
-    """No eviction."""
+    """No eviction. The common policy parameters (budget, compression_ratio, when, every) are accepted and
+    ignored, so a sweep over policies x budgets includes the full-cache baseline."""
 
     compresses: ClassVar[bool] = False
 

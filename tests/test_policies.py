@@ -109,7 +109,6 @@ def test_scoring_under_a_policy_compresses_the_context_then_scores():
     ({"budget": 2.5}, "budget must be an integer >= 1"),
     ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
     ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
-    ({}, "give a budget .* or a compression_ratio"),
     ({"budget": 8, "compression_ratio": 0.5}, "not both"),
     ({"budget": 8, "when": "sometimes"}, "when must be one of prefill, chunk, decode"),
     ({"budget": 8, "every": 0}, "every must be an integer >= 1"),
@@ -117,3 +116,10 @@ def test_scoring_under_a_policy_compresses_the_context_then_scores():
 def test_bad_policy_parameters_fail_before_the_model_loads(args, message):
     with pytest.raises(ValueError, match=message):
         LLM("does-not-exist", policy="knorm", policy_args=args)
+
+
+def test_no_budget_and_no_ratio_keeps_everything_as_kvpress_does():
+    p = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = LLM("random:llama-tiny").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    got = LLM("random:llama-tiny", policy="snapkv").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert got[0].token_ids == want
