@@ -204,7 +204,7 @@ def engine_spec(args, prompts: list[list[int]], kv_memory: int) -> dict:
 def main(argv=None) -> dict:
     import torch
 
-    from kvlab.loggers.local import to_json
+    from kvlab.loggers.local import write_report
     from kvlab.models import load_model
     from kvlab.tasks.data import get_tokenizer
 
@@ -234,10 +234,7 @@ def main(argv=None) -> dict:
     meta["load_end"] = load_average()
     text = report(results, meta)
     print(text)
-    md, js = Path(args.out + ".md"), Path(args.out + ".json")
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
-    js.write_text(json.dumps(to_json({"meta": meta, **results, "prompt_lens": [len(p) for p in prompts]}), indent=2))
+    md, js = write_report(args.out, text, {"meta": meta, **results, "prompt_lens": [len(p) for p in prompts]})
     log(f"wrote {md} and {js}")
     return results
 

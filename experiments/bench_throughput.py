@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import platform
@@ -477,7 +476,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from kvlab.loggers.local import to_json
+    from kvlab.loggers.local import write_report
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -498,10 +497,7 @@ def main(argv=None) -> dict:
     meta["load_end"] = load_average()
     text = report(results, meta)
     print(text)
-    md, js = Path(args.out + ".md"), Path(args.out + ".json")
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
-    js.write_text(json.dumps(to_json({"meta": meta, **results}), indent=2))
+    md, js = write_report(args.out, text, {"meta": meta, **results})
     log(f"wrote {md} and {js}")
     return results
 

@@ -19,6 +19,8 @@ When a sequence is compressed:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvlab.block_manager import BlockManager
@@ -38,6 +40,15 @@ class Compressor:
         self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
         self._decode_steps: dict[int, int] = {}
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.calls = 0  # sequences compressed
+        self.seconds = 0.0  # spent scoring, selecting and compacting
+        self.pages_freed = 0
+
+    def stats(self) -> dict:
+        return {"policy_compressions": self.calls, "policy_s": self.seconds, "policy_pages_freed": self.pages_freed}
 
     def query_rows(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
@@ -83,6 +94,7 @@ class Compressor:
 
     def compress(self, seq: Sequence, queries: dict[int, torch.Tensor]) -> int:
         """Compress every full-attention layer of `seq`; returns the pages freed."""
+        t0 = time.perf_counter()
         before = self.bm.num_used_blocks()
         for g in self.groups:
             layer = self.bm.groups[g].layers[0]
@@ -90,7 +102,11 @@ class Compressor:
             keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None)
             if keep is not None:
                 self.cache.move_slots(self.bm.compact(seq, g, keep))
-        return before - self.bm.num_used_blocks()
+        freed = before - self.bm.num_used_blocks()
+        self.calls += 1
+        self.pages_freed += freed
+        self.seconds += time.perf_counter() - t0
+        return freed
 
     def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""

@@ -337,7 +337,12 @@ class LLMEngine:
         """Throughput, latency, pages of the shared pool (in total and per layer group) and waste."""
         n_full = len(self.block_manager.full_groups)
         live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
-        return self.metrics.summary(live)
+        summary = self.metrics.summary(live)
+        if self.compressor:
+            summary.update(self.compressor.stats())
+        return summary
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
+        if self.compressor:
+            self.compressor.reset_stats()

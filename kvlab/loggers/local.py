@@ -21,6 +21,15 @@ from kvlab.loggers.base import RunLogger
 RECORD = "run.jsonl"
 
 
+def write_report(out: str | Path, text: str, payload: dict) -> tuple[Path, Path]:
+    """A benchmark's results: `<out>.md` (the table) and `<out>.json` (the figures, JSON-safe)."""
+    md, js = Path(f"{out}.md"), Path(f"{out}.json")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+    js.write_text(json.dumps(to_json(payload), indent=2))
+    return md, js
+
+
 def to_json(value: Any) -> Any:
     """JSON-safe copy: NaN/inf become None, numpy scalars become Python numbers."""
     if isinstance(value, dict):
