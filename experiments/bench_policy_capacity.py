@@ -1,0 +1,135 @@
+"""What eviction buys: concurrent sequences, throughput and the policy's cost at one KV byte budget.
+
+The MLSys'25 study "Rethinking Key-Value Cache Compression Techniques for Large Language Model Serving"
+found that the memory a policy saves often does not turn into throughput: this measures it instead of
+assuming it. Every policy compresses each prompt once at the end of prefill (`when="prefill"`); the pages
+it evicts go back to the shared pool, where the scheduler admits more sequences.
+
+Workload: --num-requests WikiText-2 prompts of --min-len..--max-len tokens, all queued at t=0, greedy,
+--max-tokens new tokens each (EOS ignored). One process, policies in turn, --repeats rounds (medians).
+
+    python experiments/bench_policy_capacity.py                       # about 15 minutes on 2 quiet cores
+    python experiments/bench_policy_capacity.py --model random:llama-tiny --num-requests 4 --out /tmp/cap
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_shared_pool import make_prompts
+from bench_throughput import commit_line, fmt, load_average, log, metadata, table
+
+STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "num_steps", "preemptions",
+         "ttft_median_s", "policy_compressions", "policy_s", "policy_pages_freed")
+COLUMNS = [("policy", "policy"), ("max_concurrent_seqs", "max seqs"), ("mean_concurrent_seqs", "mean seqs"),
+           ("tokens_per_s", "tok/s (busy)"), ("wall_s", "wall s"), ("ttft_median_s", "TTFT p50 s"),
+           ("preemptions", "preemptions"), ("ms_per_compression", "ms per compression"),
+           ("policy_share", "policy share of busy time"), ("pages_freed_per_seq", "pages freed per seq")]
+
+
+def measure(model: str, loaded, policy: str, policy_args: dict, prompts, args) -> dict:
+    import copy
+
+    from kvlab import LLM, SamplingParams
+
+    llm = LLM(model, loaded=copy.deepcopy(loaded), policy=policy, policy_args=policy_args,
+              kv_cache_memory=args.kv_memory, block_size=args.block_size, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_batched_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    stats = {k: llm.stats().get(k, 0) for k in STATS}
+    return {**stats, "wall_s": time.perf_counter() - t0, "generated": sum(len(o.token_ids) for o in outs)}
+
+
+def summarise(name: str, runs: list[dict], num_requests: int) -> dict:
+    row = {"policy": name, **{k: statistics.median(r[k] for r in runs) for k in (*STATS, "wall_s")}}
+    calls = row["policy_compressions"]
+    row["ms_per_compression"] = 1000 * row["policy_s"] / calls if calls else float("nan")
+    row["policy_share"] = row["policy_s"] / row["busy_s"] if row["busy_s"] else float("nan")
+    row["pages_freed_per_seq"] = row["policy_pages_freed"] / num_requests
+    row["runs"] = runs
+    return row
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    from kvlab.loggers.local import write_report
+    from kvlab.models import load_model
+    from kvlab.tasks.data import get_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = metadata(args)
+    loaded = load_model(args.model)
+    vocab = loaded.model.config.vocab_size
+    if loaded.tokenizer is not None:
+        prompts = make_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(3, vocab, (args.min_len,), generator=g).tolist() for _ in range(args.num_requests)]
+    variants = [("full", {})] + [(p, {"compression_ratio": args.ratio}) for p in args.policies]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for i in range(args.repeats):
+        for name, policy_args in variants:
+            runs[name].append(measure(args.model, loaded, name, policy_args, prompts, args))
+            r = runs[name][-1]
+            log(f"round {i + 1} {name}: max {r['max_concurrent_seqs']} mean {r['mean_concurrent_seqs']:.2f} seqs, "
+                f"{r['tokens_per_s']:.2f} tok/s")
+    rows = [summarise(name, runs[name], len(prompts)) for name, _ in variants]
+    full = rows[0]
+    for row in rows:
+        row["concurrency_x_full"] = row["mean_concurrent_seqs"] / full["mean_concurrent_seqs"]
+        row["max_concurrency_x_full"] = row["max_concurrent_seqs"] / full["max_concurrent_seqs"]
+        row["throughput_x_full"] = row["tokens_per_s"] / full["tokens_per_s"]
+    meta["load_end"] = load_average()
+    results = {"rows": rows, "mean_prompt_len": statistics.mean(len(p) for p in prompts)}
+    text = report(results, meta, args)
+    print(text)
+    md, js = write_report(args.out, text, {"meta": meta, **results})
+    log(f"wrote {md} and {js}")
+    return results
+
+
+def report(results: dict, meta: dict, args) -> str:
+    cols = COLUMNS + [("max_concurrency_x_full", "max seqs / full"), ("concurrency_x_full", "mean seqs / full"),
+                      ("throughput_x_full", "tok/s / full")]
+    lines = [f"# Eviction policies at one KV budget: concurrency, throughput, cost ({args.model})", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
+             f"Machine: {meta['machine']}  ",
+             f"Load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']}  ", "",
+             f"{args.num_requests} prompts of {args.min_len}-{args.max_len} tokens (mean "
+             f"{results['mean_prompt_len']:.0f}), {args.max_tokens} new tokens each, all queued at t=0; KV budget "
+             f"{args.kv_memory}, block {args.block_size}, max_num_batched_tokens {args.max_batched_tokens}; "
+             f"policies at compression_ratio {args.ratio}, once at the end of prefill. Medians of {args.repeats} "
+             f"rounds. tok/s counts generated tokens per second of engine time.", "",
+             table(results["rows"], cols), ""]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--policies", nargs="+", default=["snapkv", "streaming_llm", "knorm"])
+    p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio of every policy")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--min-len", type=int, default=700)
+    p.add_argument("--max-len", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--kv-memory", default="64MiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="experiments/results/policy_capacity")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
