@@ -21,6 +21,7 @@ BUILTINS = {  # policy -> arguments that compress ~100-token prompts
     "snapkv": {"budget": 32, "window_size": 8},
     "tova": {"compression_ratio": 0.6},
     "pyramidkv": {"budget": 32, "window_size": 8},
+    "chunkkv": {"budget": 32, "window_size": 8, "chunk_size": 5},
 }
 
 
@@ -123,3 +124,17 @@ def test_no_budget_and_no_ratio_keeps_everything_as_kvpress_does():
     want = LLM("random:llama-tiny").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     got = LLM("random:llama-tiny", policy="snapkv").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))
     assert got[0].token_ids == want
+
+
+def test_chunkkv_keeps_whole_chunks():
+    from kvlab.policies.chunkkv import ChunkKV
+
+    g = torch.Generator().manual_seed(0)
+    keys, queries = torch.randn(97, 2, 16, generator=g), torch.randn(8, 4, 16, generator=g)
+    kept = ChunkKV(budget=40, window_size=8, chunk_size=10).select(0, 2, keys, keys, queries, None)
+    assert len(kept) == 40 and kept == sorted(set(kept))
+    chunks = {}
+    for i in kept:
+        chunks.setdefault(i // 10, []).append(i)
+    assert sum(len(c) < min(10, 97 - 10 * k) for k, c in chunks.items()) <= 1  # at most one partial chunk
+    assert set(range(89, 97)) <= set(kept)  # the observation window's chunks come first
