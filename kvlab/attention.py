@@ -30,6 +30,8 @@ class StepMetadata:
     plans: list[AttentionPlan]  # per layer group
     query_rows: torch.Tensor | None = None  # [W] packed tokens whose queries the cache policy needs
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, Hq, D], filled by the layers
+    collect_stats: bool = False  # the cache policy accumulates attention statistics (H2O)
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
 
 
 def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
@@ -88,7 +90,9 @@ def paged_attention_forward(
     meta.cache.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping[group])
     scales = meta.cache.scales[layer] or (None, None)
     out = ops.run_paged_attention(q, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,
-                                  softcap, *scales)  # [T, Hq, D]
+                                  softcap, *scales, return_stats=meta.collect_stats)  # [T, Hq, D]
+    if meta.collect_stats:  # attention mass each cached key received from this step's queries
+        out, meta.stats[layer] = out
     return out.unsqueeze(0), None
 
 

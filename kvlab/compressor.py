@@ -40,6 +40,7 @@ class Compressor:
         self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
         self._decode_steps: dict[int, int] = {}
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
+        self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -73,10 +74,13 @@ class Compressor:
             return False
         return (self._decode_steps.get(seq.seq_id, 0) + 1) % p.every == 0
 
+    @torch.inference_mode()
     def after_step(self, seqs: list[Sequence], num_new_tokens: list[int], due: list[bool],
-                   queries: dict[int, list[torch.Tensor]]) -> None:
-        """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]), then compress
-        the sequences that were due."""
+                   queries: dict[int, list[torch.Tensor]], stats: dict[int, torch.Tensor] | None = None) -> None:
+        """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]) and attention
+        mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due."""
+        if stats:
+            self._accumulate(seqs, num_new_tokens, stats)
         w = self.policy.query_window
         for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
             prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
@@ -90,18 +94,37 @@ class Compressor:
                     if q[i].shape[0]:
                         kept[layer] = torch.cat([kept[layer], q[i]])[-w:] if layer in kept else q[i][-w:]
             if is_due:
-                self.compress(seq, self._queries.get(seq.seq_id, {}))
+                self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
 
-    def compress(self, seq: Sequence, queries: dict[int, torch.Tensor]) -> int:
+    def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor]) -> None:
+        """Add the step's attention mass to each cached key's running total (H2O's accumulated attention)."""
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
+                self._mass.pop(seq.seq_id, None)
+            mass = self._mass.setdefault(seq.seq_id, {})
+            for g in self.groups:
+                layer = self.bm.groups[g].layers[0]
+                length = self.bm.cached_lens([seq], g)[0]
+                step = stats[layer][i, :, :length].T.float()  # [cached, Hkv]
+                old = mass.get(layer)
+                if old is not None:
+                    step[: old.shape[0]] += old
+                mass[layer] = step
+
+    def compress(self, seq: Sequence, queries: dict[int, torch.Tensor],
+                 mass: dict[int, torch.Tensor] | None = None) -> int:
         """Compress every full-attention layer of `seq`; returns the pages freed."""
+        mass = mass if mass is not None else {}
         t0 = time.perf_counter()
         before = self.bm.num_used_blocks()
         for g in self.groups:
             layer = self.bm.groups[g].layers[0]
             keys, values = self.gather(seq, g, layer)
-            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None)
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer))
             if keep is not None:
                 self.cache.move_slots(self.bm.compact(seq, g, keep))
+                if layer in mass:  # the running totals follow their keys
+                    mass[layer] = mass[layer][torch.tensor(keep, dtype=torch.long, device=mass[layer].device)]
         freed = before - self.bm.num_used_blocks()
         self.calls += 1
         self.pages_freed += freed
@@ -121,3 +144,4 @@ class Compressor:
     def forget(self, seq: Sequence) -> None:
         self._decode_steps.pop(seq.seq_id, None)
         self._queries.pop(seq.seq_id, None)
+        self._mass.pop(seq.seq_id, None)

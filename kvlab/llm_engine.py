@@ -254,14 +254,15 @@ class LLMEngine:
             due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
             rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         try:
-            out = self.runner.run(batch, rows if rows and any(rows) else None)
+            out = self.runner.run(batch, rows if rows and any(rows) else None,
+                                  stats=bool(self.compressor) and self.policy.needs_attention_stats)
             tokens = self._sample(out)
         except BaseException:
             self.scheduler.unschedule(batch)
             raise
         self.scheduler.advance(batch)
         if self.compressor:
-            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries)
+            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
         self._record_step(batch.num_preempted)
         finished = self._postprocess(out, tokens)
         for seq in self.scheduler.running:

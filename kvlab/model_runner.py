@@ -25,6 +25,7 @@ class StepOutput:
     sample_rows: list[tuple[Sequence, int]]  # sequences that sample a token, and their logits row
     score_rows: list[tuple[Sequence, list[int], list[int]]]  # scoring: (seq, rows, target token ids)
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> per seq [W, Hq, D]
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached] attention mass
 
 
 class ModelRunner:
@@ -36,10 +37,12 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None) -> StepOutput:
+    def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None, stats: bool = False) -> StepOutput:
         """One forward pass; `query_rows[i]`: keep the queries of the last that many tokens of
-        sequence i's chunk in every layer (for the cache policy), 0 for none."""
+        sequence i's chunk in every layer (for the cache policy), 0 for none; `stats`: return the
+        attention mass every cached key received in every layer."""
         input_ids, positions, meta, keep, sample_rows, score_rows = self.prepare(batch)
+        meta.collect_stats = stats
         counts = []
         if query_rows:
             rows, offset = [], 0
@@ -57,7 +60,7 @@ class ModelRunner:
             kvlab_meta=meta,
         )
         queries = {layer: list(q.split(counts)) for layer, q in meta.queries.items()} if counts else {}
-        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries)
+        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries, meta.stats)
 
     def prepare(self, batch: ScheduledBatch):
         ids: list[int] = []

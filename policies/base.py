@@ -39,6 +39,8 @@ class Policy(ABC):
     every: int = 64  # with when="decode": compress again after this many decode steps
 
     compresses: ClassVar[bool] = True  # False: the engine never calls the policy (full cache)
+    needs_attention_stats: ClassVar[bool] = False  # True: the engine accumulates, per cached key, the attention
+    # mass it received from every query since it was cached, and passes it to `score` as `attn_stats`
 
     @property
     def query_window(self) -> int:

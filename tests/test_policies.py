@@ -22,6 +22,7 @@ BUILTINS = {  # policy -> arguments that compress ~100-token prompts
     "tova": {"compression_ratio": 0.6},
     "pyramidkv": {"budget": 32, "window_size": 8},
     "chunkkv": {"budget": 32, "window_size": 8, "chunk_size": 5},
+    "h2o": {"budget": 32, "recent": 8},
 }
 
 
@@ -138,3 +139,31 @@ def test_chunkkv_keeps_whole_chunks():
         chunks.setdefault(i // 10, []).append(i)
     assert sum(len(c) < min(10, 97 - 10 * k) for k, c in chunks.items()) <= 1  # at most one partial chunk
     assert set(range(89, 97)) <= set(kept)  # the observation window's chunks come first
+
+
+def test_accumulated_attention_equals_the_attention_every_query_paid():
+    """H2O's statistics, accumulated over prefill chunks by the kernels' attention-stats output, equal the
+    column sums of the causal attention of every prompt query (computed here from the queries themselves)."""
+    from kvlab.policies.h2o import H2O
+    from kvlab.policies.observation import window_attention
+
+    seen = {}
+
+    class Capture(H2O):
+        @property
+        def query_window(self):
+            return 1000
+
+        def score(self, layer_idx, keys, values, queries, attn_stats):
+            seen[layer_idx] = (keys, queries, attn_stats)
+            return super().score(layer_idx, keys, values, queries, attn_stats)
+
+    llm = LLM("random:llama-tiny", policy="h2o", policy_args={"budget": 40}, max_num_batched_tokens=32)
+    llm.engine.policy = llm.engine.compressor.policy = Capture(budget=40)
+    p = torch.randint(3, 256, (80,), generator=torch.Generator().manual_seed(7)).tolist()
+    llm.generate([p], SamplingParams(max_tokens=1))
+    assert set(seen) == {0, 1}
+    for keys, queries, stats in seen.values():
+        assert keys.shape[0] == queries.shape[0] == stats.shape[0] == 80  # three chunks, all accumulated
+        want = window_attention(queries, keys).sum(dim=(1, 2)).T  # [L, Hkv]
+        torch.testing.assert_close(stats, want, atol=1e-4, rtol=1e-4)
