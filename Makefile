@@ -1,12 +1,12 @@
 # kvlab: the two commands of the README, plus the heavy tests and the benchmarks.
-# Every target sets up (or refreshes) .venv first.
+# Every target sets up (or refreshes) .venv first; `parity` uses its own venv (experiments/kvpress_parity).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-heavy bench bench-kernels
+.PHONY: setup run test test-heavy bench bench-kernels parity
 
 setup:
 	@bash scripts/setup_env.sh
@@ -25,3 +25,7 @@ bench: setup  ## throughput vs Hugging Face generate / generate_batch on the Azu
 
 bench-kernels: setup  ## kernel checks and timings (needs a CUDA GPU for the timings)
 	$(PY) -m kvlab.kernels.bench $(ARGS)
+
+parity:  ## kvpress 0.5.5 reference outputs for policy parity (own venv; not part of `make test`)
+	@bash experiments/kvpress_parity/make_venv.sh
+	experiments/kvpress_parity/.venv/bin/python experiments/kvpress_parity/kvpress_reference.py $(ARGS)
