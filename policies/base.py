@@ -64,10 +64,10 @@ class Policy(ABC):
 
     # -- the budget --------------------------------------------------------------
     def layer_budget(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
-        """Tokens one layer keeps out of `num_cached` (kvpress: int(n * (1 - ratio)))."""
+        """Tokens one layer keeps out of `num_cached` (kvpress: max(1, int(n * (1 - ratio))))."""
         if self.budget is not None:
             return min(num_cached, self.budget)
-        return int(num_cached * (1.0 - (self.compression_ratio or 0.0)))
+        return min(num_cached, max(1, int(num_cached * (1.0 - (self.compression_ratio or 0.0)))))
 
     # -- the hooks ---------------------------------------------------------------
     @abstractmethod

@@ -40,11 +40,12 @@ class SnapKV(Policy):
 
 
 def snap_scores(queries: torch.Tensor, keys: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """[L, Hkv]: pooled mean attention of the window's queries over the keys before the window;
-    the window's own keys get the maximum, so they are kept first."""
+    """[L, Hkv]: the window's mean attention over the keys before the window, pooled with a centred
+    average of `kernel_size` (zero padding counted, as kvpress does); the window's own keys get the
+    maximum plus one, so they are kept first."""
     W, L = queries.shape[0], keys.shape[0]
-    probs = window_attention(queries, keys)  # [Hkv, g, W, L]
-    votes = probs.mean(dim=(1, 2))  # [Hkv, L]
-    votes = F.avg_pool1d(votes[:, None], kernel_size, padding=kernel_size // 2, stride=1)[:, 0]  # [Hkv, L]
-    votes[:, L - W:] = votes.max() + 1.0
-    return votes.T  # [L, Hkv]
+    probs = window_attention(queries, keys)  # [Hkv, g, W, L]: softmax over every key, window included
+    votes = probs[..., : L - W].mean(dim=(1, 2))  # [Hkv, L - W]
+    votes = F.avg_pool1d(votes[:, None], kernel_size, padding=kernel_size // 2, stride=1)[:, 0]  # [Hkv, L - W]
+    top = votes.max() + 1.0 if votes.numel() else torch.ones((), device=keys.device)
+    return torch.cat([votes, top.expand(votes.shape[0], W)], dim=1).T  # [L, Hkv]
