@@ -105,3 +105,32 @@ def test_released_pages_are_never_read_and_compaction_keeps_the_kept_tokens(back
     held = sum(-(-len(k) // BS) for k in kept)
     assert bm.allocator.num_free_blocks == PAGES - held  # whole pages went back to the pool
     torch.testing.assert_close(attend(), want, **attention_tolerance(torch.float32))
+
+
+def test_compacting_a_forked_sequence_never_writes_into_pages_its_sibling_shares():
+    """B is forked from A (every page shared); compacting B must copy into fresh pages, so A still reads
+    exactly its own keys and values, and B exactly its kept ones."""
+    g = torch.Generator().manual_seed(1)
+    bm = BlockManager([LayerGroup((0,))], ALLOCATORS.build("paged"), PAGES, BS, max_model_len=64)
+    k_cache = torch.zeros(PAGES + 1, BS, HKV, D, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    a, b = seq(0, 18), seq(1, 18)
+    keys, values = torch.randn(18, HKV, D, generator=g).to(DEVICE), torch.randn(18, HKV, D, generator=g).to(DEVICE)
+    bm.allocate(a, 18)
+    slots = torch.tensor(bm.allocator.slot_ids(bm.key(a, 0), 0, 18), device=DEVICE)
+    ops.store_kv(keys, values, k_cache, v_cache, slots)
+    bm.fork(a, b)
+    used = bm.num_used_blocks()
+    keep = [0, 1, 2, 3, 9, 10, 16, 17]
+    moves = bm.compact(b, 0, keep)
+    src = torch.tensor([s for s, _ in moves], device=DEVICE, dtype=torch.long)
+    dst = torch.tensor([d for _, d in moves], device=DEVICE, dtype=torch.long)
+    ops.compact_slots(k_cache, v_cache, src, dst)
+    assert not set(bm.block_tables([b], 0)[0]) & set(bm.block_tables([a], 0)[0])  # B writes only into its own pages
+    assert bm.num_used_blocks() == used + 2  # B copied into 2 fresh pages; its other references dropped
+    q = torch.randn(2, HQ, D, generator=g).to(DEVICE)
+    plan = plan_paged_attention([0, 1, 2], bm.cached_lens([a, b], 0), bm.block_tables([a, b], 0), BS, None, DEVICE,
+                                null_block=PAGES)
+    got = ops.run_paged_attention(q, k_cache, v_cache, plan, D ** -0.5)
+    want = dense(q, [keys, keys], [values, values], [list(range(18)), keep], [1, 1], D ** -0.5)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
