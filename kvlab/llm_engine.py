@@ -261,9 +261,9 @@ class LLMEngine:
             self.scheduler.unschedule(batch)
             raise
         self.scheduler.advance(batch)
+        self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:
             self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
-        self._record_step(batch.num_preempted)
         finished = self._postprocess(out, tokens)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
