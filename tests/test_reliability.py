@@ -168,7 +168,7 @@ def test_an_engine_level_failure_requeues_the_step_and_abort_frees_the_pages(big
     engine = big.engine
     a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     b = engine.add_request([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
-    monkeypatch.setattr(engine.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(engine.runner, "run", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         engine.step()
     monkeypatch.undo()

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from kvlab.config import ConfigError, check_target, engine_path, validate
+from kvlab.config import ConfigError, check_target, engine_path, to_config_value, validate
 from kvlab.engine_config import EngineConfig
 from kvlab.experiment import llm_kwargs
 from kvlab.registry import REGISTRIES
@@ -65,7 +65,12 @@ def test_every_option_composes_validates_and_builds(compose, group, option):
         for override in yaml_node.get("defaults", []):  # `override /task: niah` selects that option's file...
             [(target, choice)] = override.items()
             target = target.split("/")[-1]
-            selected = OmegaConf.create(yaml.safe_load((CONF_DIR / target / f"{choice}.yaml").read_text()))
+            option_file = CONF_DIR / target / f"{choice}.yaml"
+            if option_file.exists():
+                selected = OmegaConf.create(yaml.safe_load(option_file.read_text()))
+            else:  # a registered plugin without a YAML file: its name and every parameter at their defaults
+                selected = OmegaConf.create({"name": choice, **{k: to_config_value(d) for k, (_, d) in
+                                                                plugin_fields(REGISTRIES[target].get(choice)).items()}})
             expected = OmegaConf.merge(selected, body.get(target) or {})  # ...and the experiment's values win
             assert_contains(OmegaConf.to_container(expected), composed[target], target)
     elif yaml_node is not None:
