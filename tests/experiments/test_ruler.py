@@ -111,12 +111,12 @@ def test_samples_are_cached_and_follow_the_seed(tokenizer, cache_dir, monkeypatc
 
     task = Ruler(subtasks=["niah_single_1", "vt"], lengths=[512], num_samples=2, max_new_tokens=16,
                  cache_dir=str(cache_dir))
-    first = task.samples(tokenizer, seed=3)
+    first = task.samples(tokenizer, seed=0)  # the samples of the end-to-end test below
     assert len(list(cache_dir.glob("*.jsonl"))) >= 2
     monkeypatch.setattr(ruler_data, "Generators", None)  # a second call must not generate
-    assert task.samples(tokenizer, seed=3) == first
+    assert task.samples(tokenizer, seed=0) == first
     monkeypatch.undo()
-    other = task.samples(tokenizer, seed=4)
+    other = task.samples(tokenizer, seed=1)
     assert [r["outputs"] for r in other] != [r["outputs"] for r in first]
 
 
@@ -134,7 +134,7 @@ def test_a_length_too_short_for_the_subtask_says_so(tokenizer, cache_dir):
 def smollm2(load_reference):
     from kvlab import LLM
 
-    return LLM("smollm2-135m", loaded=load_reference("smollm2-135m"), kv_cache_memory="32MiB")
+    return LLM("smollm2-135m", loaded=load_reference("smollm2-135m"), kv_cache_memory="128MiB")  # 2.8K tokens: 4 x 528 fit
 
 
 def answering(llm, answer_of):
