@@ -148,13 +148,13 @@ def answering(llm, answer_of):
 @needs_ruler
 @pytest.mark.model
 def test_runs_end_to_end_and_an_oracle_scores_one(smollm2, ctx, cache_dir, monkeypatch):
-    task = Ruler(subtasks=["niah_single_1", "vt"], lengths=[512], num_samples=2, max_new_tokens=16,
+    task = Ruler(subtasks=["niah_single_1", "vt"], lengths=[512], num_samples=1, max_new_tokens=16,
                  cache_dir=str(cache_dir))
     result = task.run(smollm2, ctx)
     assert set(result.metrics) == {"ruler/niah_single_1@512", "ruler/vt@512", "ruler/score@512", "ruler/score"}
     assert all(0.0 <= v <= 1.0 for v in result.metrics.values())
     table = result.tables["ruler_samples"]
-    assert len(table) == 4 and set(zip(table["subtask"], table["length"])) == {("niah_single_1", 512), ("vt", 512)}
+    assert len(table) == 2 and set(zip(table["subtask"], table["length"])) == {("niah_single_1", 512), ("vt", 512)}
     assert len(result.tables["ruler_cells"]) == 2
 
     rows = {tuple(r["prompt_token_ids"]): r["outputs"] for r in task.samples(smollm2.tokenizer, ctx.seed)}
