@@ -132,9 +132,13 @@ def test_a_length_too_short_for_the_subtask_says_so(tokenizer, cache_dir):
 
 @pytest.fixture(scope="module")
 def smollm2(load_reference):
+    import copy
+
     from kvlab import LLM
 
-    return LLM("smollm2-135m", loaded=load_reference("smollm2-135m"), kv_cache_memory="128MiB")  # 2.8K tokens: 4 x 528 fit
+    # a private copy: the engine re-wires the model's attention, and the reference is shared by the session
+    loaded = copy.deepcopy(load_reference("smollm2-135m"))
+    return LLM("smollm2-135m", loaded=loaded, kv_cache_memory="128MiB")  # 2.8K tokens: 4 x 528 fit
 
 
 def answering(llm, answer_of):
