@@ -60,21 +60,20 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst, in every layer slot."""
+        self._apply(ops.copy_blocks, pairs)
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
+        self._apply(ops.compact_slots, moves)
+
+    def _apply(self, op, pairs: list[tuple[int, int]]) -> None:
+        """op(k, v, src [N], dst [N]) on every layer slot's pool tensors."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self._k[0].device)
         dst = torch.tensor([d for _, d in pairs], device=src.device)
         for k, v in zip(self._k, self._v):
-            ops.copy_blocks(k, v, src, dst)
-
-    def move_slots(self, moves: list[tuple[int, int]]) -> None:
-        """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
-        if not moves:
-            return
-        src = torch.tensor([s for s, _ in moves], device=self._k[0].device)
-        dst = torch.tensor([d for _, d in moves], device=src.device)
-        for k, v in zip(self._k, self._v):
-            ops.compact_slots(k, v, src, dst)
+            op(k, v, src, dst)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
