@@ -107,6 +107,7 @@ class LLMEngine:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
         num_blocks = int(config.kv_cache_memory // per_block)
+        self.bytes_per_block = per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
@@ -347,6 +348,8 @@ class LLMEngine:
         n_full = len(self.block_manager.full_groups)
         live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
         summary = self.metrics.summary(live)
+        for key in ("peak", "mean"):  # KV bytes held: pages held times what a page costs (scales included)
+            summary[f"kv_bytes_{key}"] = summary[f"kv_blocks_{key}"] * self.bytes_per_block
         if self.compressor:
             summary.update(self.compressor.stats())
         return summary
