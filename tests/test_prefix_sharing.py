@@ -90,21 +90,6 @@ def test_requests_with_different_salts_never_share_pages():
     assert llm.stats()["prefix_hit_tokens"] == 24
 
 
-def test_prefix_caching_is_a_config_option():
-    from kvlab.config import engine_options
-
-    assert EngineConfigFields() >= {"enable_prefix_caching", "prefix_eviction", "prefix_eviction_args"}
-    assert callable(engine_options)
-
-
-def EngineConfigFields() -> set[str]:
-    from dataclasses import fields
-
-    from kvlab.engine_config import EngineConfig
-
-    return {f.name for f in fields(EngineConfig)}
-
-
 # -- parallel sampling ----------------------------------------------------------------------
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_n_samples_equal_separate_requests_with_derived_seeds(prefix_caching):
