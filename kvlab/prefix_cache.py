@@ -149,6 +149,7 @@ class PrefixCache:
                 if page >= 0 and g not in node.pages and page not in self.page_node:
                     node.pages[g] = page
                     self.page_node[page] = (node, g)
+                    self.eviction.register(page, node.hash)
             chain.append(node)
 
     # -- pages -------------------------------------------------------------------

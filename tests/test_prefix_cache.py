@@ -140,7 +140,7 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "slru"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "slru", "arc"])
 @pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["blake2b", "colliding"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40))
@@ -270,3 +270,17 @@ def test_slru_keeps_pages_that_were_hit():
     assert [slru.evict() for _ in range(4)] == [2, 4, 3, 1]
     with pytest.raises(ValueError, match="protected_fraction must be in"):
         PREFIX_EVICTIONS.build("slru", protected_fraction=2)
+
+
+def test_arc_grows_its_recent_list_after_a_recent_ghost_returns():
+    arc = PREFIX_EVICTIONS.build("arc")
+    for page, key in [(1, 101), (2, 102), (3, 103)]:
+        arc.register(page, key)
+    arc.hit(3)
+    arc.park([1, 2, 3])
+    assert arc.evict() == 2  # T1 (pages 1, 2; tail first) above its target 0
+    arc.forget(2)
+    arc.register(4, 102)  # block 102 comes back: T1 was too small
+    assert arc._p == 1.0
+    arc.park([4])
+    assert [arc.evict() for _ in range(3)] == [3, 4, 1]  # T1 holds 1 page = its target: T2 goes first

@@ -157,7 +157,7 @@ def test_prefix_caching_with_an_unsupported_feature_fails_before_the_model_loads
 def test_unknown_prefix_eviction_policy_is_named(monkeypatch):
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(UnknownPluginError, match="unknown prefix-cache eviction policy 'mru'; registered "
-                                                 "prefix-cache eviction policies: lfu, lru, slru"):
+                                                 "prefix-cache eviction policies: arc, lfu, lru, slru"):
         LLM("random:llama-tiny", enable_prefix_caching=True, prefix_eviction="mru")
     with pytest.raises(ValueError, match="enable_prefix_caching: expected bool"):
         LLM("random:llama-tiny", enable_prefix_caching="yes")

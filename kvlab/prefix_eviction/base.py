@@ -10,6 +10,7 @@ A policy is a small dataclass registered in `PREFIX_EVICTIONS` that sees four ev
 
     park(pages)   pages of one table that just became cached-free, in table order (prefix first)
     unpark(page)  a hit took a cached-free page back into a table
+    register(page, key)  the page was registered for the block with hash `key` (ghost-list policies)
     hit(page)     a request reused a registered page (free or in use): frequency policies count these
     forget(page)  the page was unregistered (evicted): drop anything remembered about it
 and answers `evict()` -> the victim page (it is removed from the policy) and `len()`.
@@ -42,6 +43,9 @@ class PrefixEviction(ABC):
     @abstractmethod
     def __len__(self) -> int:
         """Cached-free pages this policy holds."""
+
+    def register(self, page: int, key: int) -> None:
+        """`page` now holds the block whose chained hash is `key` (a hint: hashes may collide)."""
 
     def hit(self, page: int) -> None:
         """A request reused registered page `page` (whether it was free or in use)."""
