@@ -128,8 +128,10 @@ class BlockManager:
             last = min(last, seq.score_from - 1)
         nodes = self.prefix_cache.match(seq.token_ids, self._salt(seq), max(last, 0) // self.block_size)
         k = len(nodes)
+        for g in self.full_groups:  # a full-attention group needs every page before the hit
+            k = next((i for i in range(k) if g not in nodes[i].pages), k)
         while k and not all(self._has_pages(g, nodes, k) for g in range(len(self.groups))):
-            k -= 1
+            k -= 1  # a window group needs the pages of the window before the hit
         self._match = (seq.seq_id, k * self.block_size, nodes[:k])
         return self._match[1:]
 
