@@ -79,6 +79,18 @@ def test_a_repeated_prompt_hits_every_full_page_but_computes_its_last_token():
     assert bm.allocator.num_free_blocks == bm.num_blocks  # cached-free pages count as free
 
 
+def test_prefix_caching_composes_with_a_quantised_cache_format():
+    prompts = prompts_with_system(23, [5, 6, 7])
+    outs = []
+    for on in (False, True):
+        llm = LLM("random:llama-tiny", block_size=4, max_model_len=128, kv_cache_memory=64 * 1024, quant="bf16",
+                  enable_prefix_caching=on)
+        outs.append([[o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=6, ignore_eos=True))]
+                     for batch in (prompts[:1], prompts)])
+    assert outs[0] == outs[1] and llm.stats()["prefix_hit_tokens"] >= 3 * 20
+    assert b"bf16" in llm.engine.block_manager.prefix_cache.salt  # the format is part of every block's salt
+
+
 def test_requests_with_different_salts_never_share_pages():
     llm = LLM("random:llama-tiny", block_size=4, max_model_len=128, kv_cache_memory=64 * 1024,
               enable_prefix_caching=True)
