@@ -119,7 +119,7 @@ class LLMEngine:
                                        salt)
         self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
                                           num_blocks, config.block_size, self.max_model_len,
-                                          config.max_num_batched_tokens, prefix_cache)
+                                          config.max_num_batched_tokens, prefix_cache, config.prefix_match)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

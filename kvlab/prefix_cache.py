@@ -63,7 +63,7 @@ class Node:
     parent: "Node | None"
     salt: bytes
     pages: dict = field(default_factory=dict)  # group -> page
-    num_children: int = 0
+    children: list = field(default_factory=list)  # nodes whose parent this is
     alive: bool = True
 
 
@@ -87,6 +87,7 @@ class PrefixCache:
         self.index: dict[int, list[Node]] = {}  # hash -> nodes with that hash (collisions included)
         self.page_node: dict[int, tuple[Node, int]] = {}  # registered page -> (node, group)
         self.chains: dict[int, list[Node]] = {}  # sequence id -> nodes of its committed full blocks
+        self.roots: dict[bytes, list[Node]] = {}  # salt -> first blocks (for partial matches)
         self.stats = PrefixStats()
 
     # -- lookup ------------------------------------------------------------------
@@ -110,6 +111,19 @@ class PrefixCache:
                 break
             nodes.append(node)
         return nodes
+
+    def partial_match(self, parent: Node | None, tokens: list[int], salt: bytes) -> tuple[Node | None, int]:
+        """The block after `parent` sharing the longest run of leading tokens with `tokens` (token
+        granularity: its page serves those tokens, copied before the request writes after them)."""
+        children = parent.children if parent is not None else self.roots.get(self.salt + salt, [])
+        best, best_len = None, 0
+        for node in children:
+            n = 0
+            while n < len(tokens) and n < len(node.tokens) and node.tokens[n] == tokens[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = node, n
+        return best, best_len
 
     # -- sequences ---------------------------------------------------------------
     def start(self, seq_id: int, nodes: list[Node], pages: list[int]) -> None:
@@ -142,8 +156,7 @@ class PrefixCache:
             if node is None:
                 node = Node(h, tokens, parent, salt)
                 self.index.setdefault(h, []).append(node)
-                if parent is not None:
-                    parent.num_children += 1
+                (parent.children if parent is not None else self.roots.setdefault(salt, [])).append(node)
             for g, table in enumerate(tables):
                 page = table[i] if i < len(table) else -1
                 if page >= 0 and g not in node.pages and page not in self.page_node:
@@ -178,12 +191,14 @@ class PrefixCache:
         node, group = self.page_node.pop(page)
         del node.pages[group]
         self.eviction.forget(page)
-        while node is not None and node.alive and not node.pages and not node.num_children:
+        while node is not None and node.alive and not node.pages and not node.children:
             bucket = self.index[node.hash]
             bucket.remove(node)
             if not bucket:
                 del self.index[node.hash]
             node.alive = False
-            if node.parent is not None:
-                node.parent.num_children -= 1
+            siblings = node.parent.children if node.parent is not None else self.roots[node.salt]
+            siblings.remove(node)
+            if node.parent is None and not siblings:
+                del self.roots[node.salt]
             node = node.parent

@@ -26,9 +26,9 @@ def collide(salt, parent, tokens) -> int:
     return 0  # every block has the same hash: only the token / parent comparison keeps them apart
 
 
-def make_manager(groups, num_blocks=16, block_size=2, eviction="lru", hash_fn=chain_hash, max_chunk=4):
+def make_manager(groups, num_blocks=16, block_size=2, eviction="lru", hash_fn=chain_hash, max_chunk=4, match="page"):
     cache = PrefixCache(block_size, PREFIX_EVICTIONS.build(eviction), b"model", hash_fn)
-    return BlockManager(groups, PagedAllocator(), num_blocks, block_size, 64, max_chunk, cache)
+    return BlockManager(groups, PagedAllocator(), num_blocks, block_size, 64, max_chunk, cache, match)
 
 
 class Shadow:
@@ -129,10 +129,11 @@ class Shadow:
 
 
 GROUPS = [LayerGroup((0,)), LayerGroup((1,), sliding_window=5)]
-TEMPLATES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9, 2, 2, 2, 2], [5, 6, 5, 6, 5, 6, 5, 6]]
+TEMPLATES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9, 2, 2, 2, 2], [5, 6, 5, 6, 5, 6, 5, 6],
+             [1, 2, 3, 4, 5, 6, 1, 1, 2, 2, 3, 3]]
 
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 12), st.lists(st.integers(1, 3), max_size=3),
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 12), st.lists(st.integers(1, 3), max_size=3),
               st.integers(1, 4)),
     st.tuples(st.just("step"), st.integers(0, 99), st.integers(1, 4), st.integers(1, 3)),
     st.tuples(st.just("fork"), st.integers(0, 99), st.integers(1, 3), st.integers(1, 3)),
@@ -140,12 +141,14 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "slru", "arc"])
+@pytest.mark.parametrize("eviction, match", [("lru", "page"), ("lfu", "page"), ("slru", "page"), ("arc", "page"),
+                                             ("lru", "token"), ("arc", "token")])
 @pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["blake2b", "colliding"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40))
-def test_random_operations_keep_pages_and_contents_consistent(eviction, hash_fn, ops):
-    shadow = Shadow(make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn))
+def test_random_operations_keep_pages_and_contents_consistent(eviction, match, hash_fn, ops):
+    shadow = Shadow(make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn, match=match, block_size=4)
+                    if match == "token" else make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn))
     for kind, *args in ops:
         if kind == "add":
             t, length, extra, chunk = args
@@ -284,3 +287,18 @@ def test_arc_grows_its_recent_list_after_a_recent_ghost_returns():
     assert arc._p == 1.0
     arc.park([4])
     assert [arc.evict() for _ in range(3)] == [3, 4, 1]  # T1 holds 1 page = its target: T2 goes first
+
+
+def test_token_granularity_shares_a_cached_page_up_to_the_divergence_then_copies_it():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=4, match="token"))
+    first = shadow.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    shadow.admit(first, 16)
+    shadow.free(first)
+    other = shadow.new_seq([1, 2, 3, 4, 5, 6, 0, 0, 0])  # diverges inside the second page
+    shadow.admit(other, 16)
+    assert shadow.hits == 6 and shadow.bm.num_cow_copies == 1  # [1 2 3 4] + [5 6 of 5 6 7 8], copied
+    shadow.check()
+    again = shadow.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    shadow.admit(again, 16)
+    assert shadow.hits == 6 + 8  # the cached page was never written by `other`
+    shadow.check()

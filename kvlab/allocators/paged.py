@@ -64,9 +64,10 @@ class PagedAllocator(Allocator):
             else:
                 self.free_blocks.append(block)
 
-    def allocate_cached(self, seq_id: int, pages: list[int]) -> None:
+    def allocate_cached(self, seq_id: int, pages: list[int], num_tokens: int) -> None:
         """A new table holding cached `pages` (NULL_BLOCK where not needed: before a sliding window),
-        shared by reference; `append_slots` then gives it room for new tokens. (Take back every
+        shared by reference, for its first `num_tokens` slots (the last page may be used only in part:
+        it is copied before the first write); `append_slots` then gives it room for new tokens. (Take back every
         cached page a sequence needs before appending to any table: appending may evict parked pages.)"""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
@@ -76,7 +77,14 @@ class PagedAllocator(Allocator):
                     self.prefix_cache.unpark(page)
                 self.ref_counts[page] += 1
         self.tables[seq_id] = list(pages)
-        self.lengths[seq_id] = len(pages) * self.block_size
+        if not (len(pages) - 1) * self.block_size < num_tokens <= len(pages) * self.block_size and pages:
+            raise ValueError(f"{num_tokens} cached tokens do not end in the last of {len(pages)} pages")
+        self.lengths[seq_id] = num_tokens
+
+    def _shared(self, block: int) -> bool:
+        """Must a write into `block` copy it first? Another table holds it, or the prefix cache does
+        (a cached page used only in part by a token-granularity hit)."""
+        return self.ref_counts[block] > 1 or (self.prefix_cache is not None and self.prefix_cache.is_registered(block))
 
     def is_parked(self, page: int) -> bool:
         """A registered page that no table holds (taking it back uses up a free page)."""
@@ -101,7 +109,7 @@ class PagedAllocator(Allocator):
     def _blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         length, table = self.lengths[seq_id], self.tables[seq_id]
         needed = self.blocks_for(length + num_new_tokens) - len(table)
-        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+        if length % self.block_size and num_new_tokens and self._shared(table[-1]):
             needed += 1  # copy-on-write of the shared, partly filled last block
         return max(needed, 0)
 
@@ -115,7 +123,7 @@ class PagedAllocator(Allocator):
         if not self.can_append(seq_id, num_new_tokens):
             raise OutOfBlocks(f"no room to append {num_new_tokens} tokens to sequence {seq_id}")
         table, length = self.tables[seq_id], self.lengths[seq_id]
-        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+        if length % self.block_size and num_new_tokens and self._shared(table[-1]):
             shared = table[-1]
             table[-1] = self._take()
             self._release(shared)
