@@ -113,7 +113,7 @@ def main(argv=None) -> None:
 def write_report(rows, args) -> None:
     names = PREFIX_EVICTIONS.names()
     lines = ["# Prefix-cache eviction policies: token hit rate when the pool cannot keep every prefix", "",
-             f"Command: `python experiments/bench_prefix_eviction.py {' '.join(sys.argv[1:])}`".rstrip() + "  ",
+             "Command: `" + " ".join(["python experiments/bench_prefix_eviction.py", *sys.argv[1:]]) + "`  ",
              "Pure bookkeeping (kvlab's BlockManager, PagedAllocator and PrefixCache driven with synthetic token ids; "
              "no model): hit rates do not depend on the machine's load.", "",
              f"{args.num_requests} requests, block {args.block_size}, at most {args.concurrency} running, "
