@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from kvlab.allocators.base import NULL_BLOCK, Allocator
+from kvlab.prefix_cache import Node, PrefixCache, request_salt
 from kvlab.sequence import Sequence
 
 
@@ -58,7 +59,8 @@ def equal_groups(layer_windows: list[int | None], size: int | None = None,
 
 class BlockManager:
     def __init__(self, groups: list[LayerGroup], allocator: Allocator, num_blocks: int, block_size: int,
-                 max_model_len: int, max_chunk: int | None = None):
+                 max_model_len: int, max_chunk: int | None = None, prefix_cache: PrefixCache | None = None,
+                 prefix_match: str = "page"):
         sizes = {len(g.layers) for g in groups}
         if len(sizes) != 1:
             raise ValueError(f"layer groups must have equal layer counts to share pages, got {sorted(sizes)}")
@@ -70,6 +72,18 @@ class BlockManager:
         self.allocator = allocator
         allocator.setup(num_blocks, block_size, max_model_len)
         self.full_groups = [g for g, group in enumerate(groups) if group.sliding_window is None]
+        self.num_cow_copies = 0
+        self.prefix_cache = prefix_cache
+        if prefix_match not in ("page", "token"):
+            raise ValueError(f"prefix_match must be 'page' or 'token', got {prefix_match!r}")
+        self.prefix_match = prefix_match
+        if prefix_cache is not None:
+            if not hasattr(allocator, "allocate_cached"):
+                raise ValueError(f"prefix caching needs an allocator that shares cached pages (paged); "
+                                 f"{getattr(type(allocator), 'registry_name', type(allocator).__name__)} "
+                                 f"does not support it yet")
+            allocator.prefix_cache = prefix_cache
+        self._match: tuple[int, int, list[Node]] | None = None  # (seq id, hit tokens, nodes) of the last lookup
 
     # -- tables ----------------------------------------------------------------
     def key(self, seq: Sequence | int, group: int) -> int:
@@ -112,14 +126,103 @@ class BlockManager:
         return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
                 f"{a.usable_blocks}{reserve}; {fix}")
 
+    # -- prefix caching ----------------------------------------------------------
+    def _salt(self, seq: Sequence) -> bytes:
+        return request_salt(seq.params.cache_salt)
+
+    def _lookup(self, seq: Sequence) -> tuple[int, list[Node]]:
+        """Tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
+        past a scoring request's context end) and the nodes of their blocks; remembered for `allocate`.
+        Whole blocks, then (prefix_match="token") the leading tokens of one more cached block."""
+        bs, last = self.block_size, seq.num_tokens_to_compute - 1
+        if seq.is_scoring:
+            last = min(last, seq.score_from - 1)
+        last = max(last, 0)
+        salt = self._salt(seq)
+        nodes = self.prefix_cache.match(seq.token_ids, salt, last // bs)
+        k = len(nodes)
+        for g in self.full_groups:  # a full-attention group needs every page before the hit
+            k = next((i for i in range(k) if g not in nodes[i].pages), k)
+        hit = 0
+        if self.prefix_match == "token" and k == len(nodes) and last > k * bs:
+            child, j = self.prefix_cache.partial_match(nodes[-1] if nodes else None,
+                                                       seq.token_ids[k * bs:min(last, (k + 1) * bs)], salt)
+            if j and all(self._has_pages(g, nodes + [child], k * bs + j) for g in range(len(self.groups))):
+                nodes, hit = nodes + [child], k * bs + j
+        while not hit and k and not all(self._has_pages(g, nodes[:k], k * bs) for g in range(len(self.groups))):
+            k -= 1  # a window group needs the pages of the window before the hit
+        if not hit:
+            nodes, hit = nodes[:k], k * bs
+        self._match = (seq.seq_id, hit, nodes)
+        return hit, nodes
+
+    def _first_needed(self, group: int, hit: int) -> int:
+        """First block a query at cache index `hit` can see in `group`."""
+        window = self.groups[group].sliding_window
+        return 0 if window is None else max(0, hit - window + 1) // self.block_size
+
+    def _has_pages(self, group: int, nodes: list[Node], hit: int) -> bool:
+        return all(group in nodes[i].pages for i in range(self._first_needed(group, hit), len(nodes)))
+
+    def _cached_pages(self, group: int, nodes: list[Node], hit: int) -> list[int]:
+        first = self._first_needed(group, hit)
+        return [NULL_BLOCK] * first + [node.pages[group] for node in nodes[first:]]
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching); the
+        scheduler starts computing after them."""
+        if self.prefix_cache is None:
+            return 0
+        if self._match is None or self._match[0] != seq.seq_id:
+            self._lookup(seq)
+        return self._match[1]
+
+    def commit(self, seq: Sequence) -> None:
+        """`seq`'s computed tokens are final: register its full pages in the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+                                     [self.allocator.block_table(k) for k in self._keys(seq)])
+
     # -- state machine ---------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.allocator.can_allocate_many(
-            [(self._footprint(g, seq.num_tokens), seq.max_len) for g in self.groups])
+        if self.prefix_cache is None:
+            return self.allocator.can_allocate_many(
+                [(self._footprint(g, seq.num_tokens), seq.max_len) for g in self.groups])
+        hit, nodes = self._lookup(seq)
+        a, need = self.allocator, 0
+        for g, group in enumerate(self.groups):
+            cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
+            need += max(a.blocks_for(self._footprint(group, seq.num_tokens)) - len(cached), 0)
+            need += sum(1 for p in cached if a.is_parked(p))  # taking a parked page back uses up a free one
+            need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
+        return need <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Tables for `seq`: with prefix caching, the cached pages of its first
+        `seq.num_computed_tokens` tokens (from `num_cached_tokens`), then `num_tokens` new slots."""
+        if self.prefix_cache is None:
+            for key in self._keys(seq):
+                self.allocator.allocate(key, num_tokens, seq.max_len)
+            return
+        seq_id, hit, nodes = self._match if self._match and self._match[0] == seq.seq_id else (seq.seq_id, 0, [])
+        if hit != seq.num_computed_tokens:
+            raise RuntimeError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but the prefix "
+                               f"cache holds {hit}: call num_cached_tokens just before allocate")
+        self._match = None
+        used, saved = [], 0
+        for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
+            pages = self._cached_pages(g, nodes, hit)
+            self.allocator.allocate_cached(key, pages, hit)
+            used += [p for p in pages if p != NULL_BLOCK]
+            saved += sum(1 for p in pages[:hit // self.block_size] if p != NULL_BLOCK)  # a partial page is copied
         for key in self._keys(seq):
-            self.allocator.allocate(key, num_tokens, seq.max_len)
+            self.allocator.append_slots(key, num_tokens)
+        self.prefix_cache.start(seq.seq_id, nodes[:hit // self.block_size], used)
+        stats = self.prefix_cache.stats
+        stats.queried_tokens += seq.num_tokens_to_compute
+        stats.hit_tokens += hit
+        stats.queried_pages += len(self.groups) * (seq.num_tokens_to_compute // self.block_size)
+        stats.hit_pages += saved
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.allocator.can_append_many([(key, num_new_tokens) for key in self._keys(seq)])
@@ -131,11 +234,15 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for key in self._keys(seq):
             self.allocator.free(key)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_sequence(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""
         for g in range(len(self.groups)):
             self.allocator.fork(self.key(parent, g), self.key(child, g))
+        if self.prefix_cache is not None:
+            self.prefix_cache.fork(parent.seq_id, child.seq_id)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the last `num_tokens` slots of every group (rejected speculative tokens)."""
@@ -161,7 +268,9 @@ class BlockManager:
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write page copies (src, dst)."""
-        return self.allocator.take_copies()
+        copies = self.allocator.take_copies()
+        self.num_cow_copies += len(copies)
+        return copies
 
     # -- views for the planner and the metrics -----------------------------------
     def block_tables(self, seqs: Iterable[Sequence], group: int) -> list[list[int]]:

@@ -188,6 +188,9 @@ def check_engine(config: dict) -> None:
     engine = config["engine"]
     engine["allocator_args"] = check_plugin_args("allocator", engine["allocator"], engine["allocator_args"],
                                                  "engine.allocator", "engine.allocator_args")
+    engine["prefix_eviction_args"] = check_plugin_args(
+        "prefix_eviction", engine["prefix_eviction"], engine["prefix_eviction_args"],
+        "engine.prefix_eviction", "engine.prefix_eviction_args")
 
 
 def check_plugin(kind: str, node: dict) -> dict:

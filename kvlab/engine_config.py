@@ -23,7 +23,7 @@ from typing import Any, Literal
 from kvlab.schema import ConfigError, fields_of, fits, type_problem
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args")
+PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args", "prefix_eviction_args")
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -65,6 +65,10 @@ class EngineConfig:
     device: str = "cpu"  # torch device of the model and the KV pool
     seed: int = 0  # sampling seed
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise
+    enable_prefix_caching: bool = False  # share full pages of common prefixes between requests (hashed)
+    prefix_match: Literal["page", "token"] = "page"  # token: also share a cached page's first tokens (copied on write)
+    prefix_eviction: str = "lru"  # registered prefix-cache eviction policy (which cached-free page goes first)
+    prefix_eviction_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
 
     def __post_init__(self) -> None:
         for name in PLUGIN_ARGS:

@@ -31,8 +31,9 @@ class LLM:
 
     # -- generation ----------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+                 use_tqdm: bool = False) -> list[RequestOutput | list[RequestOutput]]:
+        """Generate for every prompt; outputs come back in input order, one per prompt: a RequestOutput,
+        or for a prompt sampled with `n > 1`, the list of its n RequestOutputs (by `sample_index`).
 
         A prompt is a string or token ids (a list, tuple, 1-D tensor or numpy array of integers).
         All or nothing: every request is validated before any is queued, so a bad one raises
@@ -87,15 +88,17 @@ class LLM:
         that have not finished are aborted, so their pages go back to the pool.
         """
         done: dict[int, RequestOutput | ScoreOutput] = {}
+        ns = [seq.params.n for seq in seqs]  # parallel sampling: n outputs per request
+        expected = sum(ns)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="requests")
+            bar = tqdm(total=expected, desc="requests")
         try:
             for seq in seqs:
                 self.engine.add_sequence(seq, return_dists=return_dists)
-            while len(done) < len(seqs):
+            while len(done) < expected:
                 for out in self.engine.step():
                     done[out.request_id] = out
                     if bar is not None:
@@ -108,7 +111,12 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [done[s.seq_id] for s in seqs]
+        groups: dict[int, list] = {}
+        for out in done.values():
+            if isinstance(out, RequestOutput):
+                groups.setdefault(out.group_id, []).append(out)
+        return [done[s.seq_id] if n == 1 else sorted(groups[s.seq_id], key=lambda o: o.sample_index)
+                for s, n in zip(seqs, ns)]
 
     # -- metrics -------------------------------------------------------------
     def stats(self) -> dict:

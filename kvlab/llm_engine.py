@@ -28,7 +28,8 @@ from kvlab.metrics import Metrics
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import RequestOutput, ScoreOutput
-from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
+from kvlab.prefix_cache import PrefixCache, PrefixStats
+from kvlab.registry import ALLOCATORS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
@@ -78,6 +79,9 @@ class LLMEngine:
         if self.policy.compresses and type(allocator).compact is Allocator.compact:
             raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
                              f"cannot do (it has no compact()); use allocator 'paged' or 'contiguous'")
+        PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+        if config.enable_prefix_caching:
+            self._check_prefix_caching(config)
         if config.draft is not None:
             raise NotImplementedError(
                 f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
@@ -114,9 +118,15 @@ class LLMEngine:
                 f"tokens ({per_block:.0f} bytes across {len(groups[0].layers)} layers); "
                 f"raise kv_cache_memory"
             )
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            salt = repr((config.model, config.quant, sorted(config.quant_args.items()), config.dtype)).encode()
+            prefix_cache = PrefixCache(config.block_size,
+                                       PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args),
+                                       salt)
         self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
                                           num_blocks, config.block_size, self.max_model_len,
-                                          config.max_num_batched_tokens)
+                                          config.max_num_batched_tokens, prefix_cache, config.prefix_match)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -129,6 +139,17 @@ class LLMEngine:
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}
         self._return_dists: set[int] = set()
+        self._samples: dict[int, tuple[int, int]] = {}  # parallel sampling: seq id -> (group id, sample index)
+        self._groups: dict[int, list[int]] = {}  # group id (the first sample's id) -> ids of its unfinished samples
+
+    def _check_prefix_caching(self, config: EngineConfig) -> None:
+        """Prefix caching with a feature it does not support yet: a clear error before the model loads."""
+        if self.policy.compresses:
+            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: a "
+                             f"compressing policy rewrites pages that other requests share; use policy='full'")
+        if not hasattr(ALLOCATORS.get(config.allocator), "allocate_cached"):
+            raise ValueError(f"enable_prefix_caching with allocator {config.allocator!r} is not supported yet; "
+                             f"use allocator='paged'")
 
     def _new_metrics(self) -> Metrics:
         bm = self.block_manager
@@ -228,7 +249,18 @@ class LLMEngine:
         return seq_id
 
     def abort(self, request_id: int) -> bool:
-        """Stop an unfinished request and free its pages; False if it is unknown or already finished."""
+        """Stop an unfinished request (with every unfinished sample of it, for n > 1) and free its pages;
+        False if it is unknown or already finished."""
+        others = [i for i in self._groups.pop(request_id, []) if i != request_id]
+        aborted = [i for i in others if self._abort_one(i)]
+        return self._abort_one(request_id) or bool(aborted)
+
+    def _abort_one(self, request_id: int) -> bool:
+        group, _ = self._samples.pop(request_id, (None, 0))
+        if request_id in self._groups.get(group, ()):
+            self._groups[group].remove(request_id)
+            if not self._groups[group]:
+                del self._groups[group]
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
@@ -262,14 +294,20 @@ class LLMEngine:
         if self.compressor:
             due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
             rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        spawned: list[tuple[Sequence, list[Sequence]]] = []
         try:
             out = self.runner.run(batch, rows if rows and any(rows) else None,
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
+            spawned = self._spawn_samples(out)
             tokens = self._sample(out)
         except BaseException:
+            for _, children in spawned:
+                for child in children:
+                    self._generators.pop(child.seq_id, None)
             self.scheduler.unschedule(batch)
             raise
         self.scheduler.advance(batch)
+        self._admit_samples(spawned)
         self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:
             self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
@@ -286,8 +324,44 @@ class LLMEngine:
             return ScoreOutput(seq.seq_id, seq.logprobs, dists, seq.num_preemptions)
         tok = self.tokenizer
         text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
+        group, index = self._samples.pop(seq.seq_id, (seq.seq_id, 0))
+        if group in self._groups:
+            self._groups[group].remove(seq.seq_id)
+            if not self._groups[group]:
+                del self._groups[group]
         return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, seq.ttft, seq.tpot, seq.num_preemptions)
+                             seq.finish_reason, seq.ttft, seq.tpot, seq.num_preemptions, group, index)
+
+    # -- parallel sampling ---------------------------------------------------
+    def _spawn_samples(self, out) -> list[tuple[Sequence, list[Sequence]]]:
+        """Requests with n > 1 sampling their first token now: n - 1 more samples of the same prompt,
+        each drawing from the same logits row with its own generator (`SamplingParams.for_sample`)."""
+        spawned = []
+        for seq, row in list(out.sample_rows):
+            params = seq.params
+            if params.n == 1 or seq.num_output_tokens:
+                continue
+            children = []
+            for i in range(1, params.n):
+                seq_id, self._next_id = self._next_id, self._next_id + 1
+                child = Sequence(seq_id, seq.token_ids, params.for_sample(i), seq.max_len, seq.arrival_time)
+                if not child.params.greedy:
+                    self._generators[seq_id] = request_generator(self.config.seed, seq_id, child.params.seed)
+                out.sample_rows.append((child, row))
+                children.append(child)
+            spawned.append((seq, children))
+        return spawned
+
+    def _admit_samples(self, spawned: list[tuple[Sequence, list[Sequence]]]) -> None:
+        """The step ran: the new samples share every page of their first sample (copy-on-write)."""
+        for parent, children in spawned:
+            parent.params = parent.params.for_sample(0)
+            self._groups[parent.seq_id] = [parent.seq_id] + [c.seq_id for c in children]
+            for i, seq in enumerate([parent, *children]):
+                self._samples[seq.seq_id] = (parent.seq_id, i)
+            for child in children:
+                self.block_manager.fork(parent, child)
+                self.scheduler.admit_forked(child, parent.num_computed_tokens)
 
     def _sample(self, out) -> list[int]:
         """One token per sampling row (nothing is appended yet: a failure here leaves every sequence as it was)."""
@@ -352,9 +426,21 @@ class LLMEngine:
             summary[f"kv_bytes_{key}"] = summary[f"kv_blocks_{key}"] * self.bytes_per_block
         if self.compressor:
             summary.update(self.compressor.stats())
+        summary["cow_copies"] = self.block_manager.num_cow_copies
+        pc = self.block_manager.prefix_cache
+        if pc is not None:
+            st = pc.stats
+            summary.update(prefix_hit_rate_tokens=st.hit_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+                           prefix_hit_rate_pages=st.hit_pages / st.queried_pages if st.queried_pages else 0.0,
+                           prefix_hit_tokens=st.hit_tokens, prefix_queried_tokens=st.queried_tokens,
+                           prefix_pages_saved=st.hit_pages, prefix_evictions=st.evictions,
+                           prefix_cached_free_pages=pc.num_parked)
         return summary
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
+        self.block_manager.num_cow_copies = 0
+        if self.block_manager.prefix_cache is not None:
+            self.block_manager.prefix_cache.stats = PrefixStats()
         if self.compressor:
             self.compressor.reset_stats()

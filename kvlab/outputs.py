@@ -17,6 +17,8 @@ class RequestOutput:
     ttft_s: float | None  # arrival -> first generated token
     tpot_s: float | None  # mean time per output token after the first
     num_preemptions: int = 0
+    group_id: int | None = None  # parallel sampling (n > 1): the request id of the prompt's first sample
+    sample_index: int = 0  # which of the prompt's n samples this is
 
 
 @dataclass

@@ -35,6 +35,7 @@ ENTRY_POINT_GROUP = "kvlab.plugins"
 
 _BUILTIN_MODULES = (
     "kvlab.allocators",
+    "kvlab.prefix_eviction",
     "kvlab.quant",
     "kvlab.drafts",
     "kvlab.policies",
@@ -177,12 +178,14 @@ ALLOCATORS: Registry = Registry("allocator")
 POLICIES: Registry = Registry("policy", plural="policies")
 DRAFTS: Registry = Registry("draft model")
 QUANT_FORMATS: Registry = Registry("quantisation format")
+PREFIX_EVICTIONS: Registry = Registry("prefix-cache eviction policy", plural="prefix-cache eviction policies")
 
 REGISTRIES: dict[str, Registry] = {
     "allocator": ALLOCATORS,
     "policy": POLICIES,
     "draft": DRAFTS,
     "quant": QUANT_FORMATS,
+    "prefix_eviction": PREFIX_EVICTIONS,
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_SEED = 2**63  # seeds are integers in [0, 2**63): torch generators take 64-bit seeds
 
@@ -34,6 +34,8 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed, an integer in [0, 2**63)
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated
     ignore_eos: bool = False  # keep going past the model's EOS token
+    n: int = 1  # samples of the prompt (parallel sampling: n sequences sharing the prompt's pages)
+    cache_salt: str | bytes | None = None  # prefix caching: only requests with the same salt share pages
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -50,6 +52,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (samples per prompt), got {self.n!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt must be None, a str or bytes, got {type(self.cache_salt).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -58,7 +64,7 @@ class SamplingParams:
         bad = [t for t in ids if not _is_int(t) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be integers >= 0, got {bad[0]!r}")
-        self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
+        self.max_tokens, self.top_k, self.n = int(self.max_tokens), int(self.top_k), int(self.n)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = tuple(int(t) for t in ids)
@@ -66,3 +72,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of an n > 1 request: n = 1 and, under a seed s, the seed
+        (s + index) mod 2**63. So `SamplingParams(n=k, seed=s)` samples exactly as k separate
+        requests with seeds s, s + 1, ..., s + k - 1 (without a seed each sample gets its own
+        engine-assigned stream)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} out of range for n={self.n}")
+        return replace(self, n=1, seed=None if self.seed is None else (self.seed + index) % MAX_SEED)

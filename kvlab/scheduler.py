@@ -64,6 +64,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
+            seq.num_computed_tokens = self.block_manager.num_cached_tokens(seq)  # prefix-cache hit (or 0)
             n = min(seq.chunk_limit(), budget)
             self.block_manager.allocate(seq, n)
             self.waiting.popleft()
@@ -94,6 +95,7 @@ class Scheduler:
         """The step ran: each scheduled sequence now has its `n` new tokens in the cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            self.block_manager.commit(seq)  # full pages of computed tokens become findable (prefix caching)
 
     def preempt(self, seq: Sequence) -> None:
         self._requeue(seq)

@@ -5,6 +5,10 @@ maps logical blocks to physical ones. Blocks carry reference counts so a fork
 (parallel sampling, shared prefixes) shares them; the first write into a shared,
 partly filled block copies it (copy-on-write). Waste is bounded by the empty
 slots of each sequence's last block.
+
+With prefix caching (`prefix_cache` set by the block manager) a registered page whose last owner
+lets go is *parked* (cached-free: findable by later requests) instead of freed; `_take` hands out
+never-registered free pages first, then evicts a parked page chosen by the eviction policy.
 """
 
 from __future__ import annotations
@@ -30,22 +34,61 @@ class PagedAllocator(Allocator):
     def _reset(self) -> None:
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.ref_counts = [0] * self.num_blocks
+        self.prefix_cache = None  # kvlab.prefix_cache.PrefixCache, attached by the block manager
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Pages no table holds: free ones plus cached-free (parked) ones."""
+        return len(self.free_blocks) + (self.prefix_cache.num_parked if self.prefix_cache else 0)
 
     def _take(self) -> int:
-        if not self.free_blocks:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.prefix_cache is not None and self.prefix_cache.num_parked:
+            block = self.prefix_cache.evict()  # unregistered: never a stale hit
+        else:
             raise OutOfBlocks("paged pool is out of blocks")
-        block = self.free_blocks.popleft()
         self.ref_counts[block] = 1
         return block
 
-    def _release(self, block: int) -> None:
+    def _release(self, block: int, parked: list[int] | None = None) -> None:
+        """Drop one reference; a page nobody holds is freed, or parked if registered in the prefix
+        cache (collected in `parked` when given, so a table's pages are parked together in order)."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self.free_blocks.append(block)
+            if self.prefix_cache is not None and self.prefix_cache.is_registered(block):
+                if parked is None:
+                    self.prefix_cache.park([block])
+                else:
+                    parked.append(block)
+            else:
+                self.free_blocks.append(block)
+
+    def allocate_cached(self, seq_id: int, pages: list[int], num_tokens: int) -> None:
+        """A new table holding cached `pages` (NULL_BLOCK where not needed: before a sliding window),
+        shared by reference, for its first `num_tokens` slots (the last page may be used only in part:
+        it is copied before the first write); `append_slots` then gives it room for new tokens. (Take back every
+        cached page a sequence needs before appending to any table: appending may evict parked pages.)"""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for page in pages:
+            if page != NULL_BLOCK:
+                if self.ref_counts[page] == 0:
+                    self.prefix_cache.unpark(page)
+                self.ref_counts[page] += 1
+        self.tables[seq_id] = list(pages)
+        if not (len(pages) - 1) * self.block_size < num_tokens <= len(pages) * self.block_size and pages:
+            raise ValueError(f"{num_tokens} cached tokens do not end in the last of {len(pages)} pages")
+        self.lengths[seq_id] = num_tokens
+
+    def _shared(self, block: int) -> bool:
+        """Must a write into `block` copy it first? Another table holds it, or the prefix cache does
+        (a cached page used only in part by a token-granularity hit)."""
+        return self.ref_counts[block] > 1 or (self.prefix_cache is not None and self.prefix_cache.is_registered(block))
+
+    def is_parked(self, page: int) -> bool:
+        """A registered page that no table holds (taking it back uses up a free page)."""
+        return self.ref_counts[page] == 0
 
     @property
     def usable_blocks(self) -> int:
@@ -66,7 +109,7 @@ class PagedAllocator(Allocator):
     def _blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         length, table = self.lengths[seq_id], self.tables[seq_id]
         needed = self.blocks_for(length + num_new_tokens) - len(table)
-        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+        if length % self.block_size and num_new_tokens and self._shared(table[-1]):
             needed += 1  # copy-on-write of the shared, partly filled last block
         return max(needed, 0)
 
@@ -80,7 +123,7 @@ class PagedAllocator(Allocator):
         if not self.can_append(seq_id, num_new_tokens):
             raise OutOfBlocks(f"no room to append {num_new_tokens} tokens to sequence {seq_id}")
         table, length = self.tables[seq_id], self.lengths[seq_id]
-        if length % self.block_size and num_new_tokens and self.ref_counts[table[-1]] > 1:
+        if length % self.block_size and num_new_tokens and self._shared(table[-1]):
             shared = table[-1]
             table[-1] = self._take()
             self._release(shared)
@@ -90,9 +133,12 @@ class PagedAllocator(Allocator):
         self.lengths[seq_id] = length + num_new_tokens
 
     def free(self, seq_id: int) -> None:
+        parked: list[int] = []
         for block in self.tables.pop(seq_id):
             if block != NULL_BLOCK:
-                self._release(block)
+                self._release(block, parked)
+        if parked:
+            self.prefix_cache.park(parked)
         del self.lengths[seq_id]
 
     def fork(self, parent_id: int, child_id: int) -> None:

@@ -185,6 +185,10 @@ def test_unknown_key_is_refused_with_its_path(compose):
     ("engine.device=null", r"^engine\.device: expected str"),
     ("engine.allocator=nope", r"^engine\.allocator: unknown allocator 'nope'; .*paged"),
     ("+engine.allocator_args.watermark=2.0", r"^engine\.allocator_args: allocator 'paged' rejects .*watermark"),
+    ("engine.prefix_eviction=mru", r"^engine\.prefix_eviction: unknown prefix-cache eviction policy 'mru'"),
+    ("+engine.prefix_eviction_args.protected_fraction=2", r"^engine\.prefix_eviction_args\.protected_fraction: "
+                                                          r"unknown parameter of prefix-cache eviction policy 'lru'"),
+    ("engine.enable_prefix_caching=maybe", r"^engine\.enable_prefix_caching: expected bool"),
     ("model.name=no-such-model", r"^model\.name: 'no-such-model' is not a packaged model"),
     ("model.dtype=float8", r"^model\.dtype: expected one of 'float32'"),
     ("task.context_lengths=[0]", r"^task: Perplexity rejects its parameters: .*context_lengths"),
@@ -236,6 +240,13 @@ def test_cli_value_outside_the_allowed_ones_is_a_config_error(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().endswith("config error: engine.block_size: 24 is not allowed; "
                                        "choose one of (1, 2, 4, 8, 16, 32, 64, 128, 256)")
+
+
+def test_prefix_caching_options_reach_the_engine(compose):
+    config = validate(compose(["engine.enable_prefix_caching=true", "engine.prefix_eviction=slru"]))
+    assert config["engine"]["prefix_eviction_args"] == {"protected_fraction": 0.8}
+    engine = EngineConfig(**llm_kwargs(config))
+    assert (engine.enable_prefix_caching, engine.prefix_eviction) == (True, "slru")
 
 
 def test_validation_fills_plugin_defaults(compose):

@@ -1,0 +1,304 @@
+"""Prefix caching, torch-free: the hashed page index, the paged allocator's cached-free pages, the block
+manager's sharing (full and sliding-window groups), eviction policies, and a property-based run over
+random allocate / append / fork / free sequences that hit and evict.
+
+The property test keeps a shadow of every page's contents: a slot written for token i of a sequence
+holds that sequence's tokens[: i + 1] (what its KV depends on). Every slot a live sequence can still
+attend to must hold its own prefix, so a stale hit (a page reused for other content), a false hit
+(a colliding hash), or a write seen through a shared page (copy-on-write broken) all fail it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab.allocators import NULL_BLOCK, PagedAllocator
+from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.prefix_cache import PrefixCache, chain_hash, request_salt
+from kvlab.registry import PREFIX_EVICTIONS
+from kvlab.sampling_params import SamplingParams
+from kvlab.sequence import Sequence
+
+
+def collide(salt, parent, tokens) -> int:
+    return 0  # every block has the same hash: only the token / parent comparison keeps them apart
+
+
+def make_manager(groups, num_blocks=16, block_size=2, eviction="lru", hash_fn=chain_hash, max_chunk=4, match="page"):
+    cache = PrefixCache(block_size, PREFIX_EVICTIONS.build(eviction), b"model", hash_fn)
+    return BlockManager(groups, PagedAllocator(), num_blocks, block_size, 64, max_chunk, cache, match)
+
+
+class Shadow:
+    """Drives a block manager as the scheduler and engine do, and mirrors each page's contents."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.content: dict[int, list] = {}  # page -> per slot: the token prefix whose KV it holds
+        self.live: list[Sequence] = []
+        self.next_id = 0
+        self.hits = 0
+
+    def new_seq(self, tokens, salt=None) -> Sequence:
+        seq = Sequence(self.next_id, tokens, SamplingParams(max_tokens=16, cache_salt=salt), len(tokens) + 16, 0.0)
+        self.next_id += 1
+        return seq
+
+    def admit(self, seq: Sequence, chunk: int) -> bool:
+        if not self.bm.can_allocate(seq):
+            return False
+        seq.num_computed_tokens = self.bm.num_cached_tokens(seq)
+        self.hits += seq.num_computed_tokens
+        n = min(chunk, seq.num_uncomputed_tokens)
+        assert n >= 1  # the last prompt token is always computed
+        self.bm.allocate(seq, n)
+        self.live.append(seq)
+        self._compute(seq, n)
+        return True
+
+    def step(self, seq: Sequence, chunk: int, token: int) -> bool:
+        if seq.num_uncomputed_tokens == 0:
+            seq.token_ids.append(token)
+        n = min(chunk, seq.num_uncomputed_tokens)
+        if not self.bm.can_append(seq, n):
+            self.free(seq)  # preempted
+            return False
+        self.bm.append(seq, n)
+        self._compute(seq, n)
+        return True
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        bs = self.bm.block_size
+        for src, dst in self.bm.take_copies():
+            self.content[dst] = list(self.content[src])
+        start = seq.num_computed_tokens
+        for g in range(len(self.bm.groups)):
+            cached = self.bm.allocator.num_tokens(self.bm.key(seq, g))
+            for i, slot in zip(range(start, start + n), self.bm.slot_ids(seq, g, cached - n, cached)):
+                self.content.setdefault(slot // bs, [None] * bs)[slot % bs] = tuple(seq.token_ids[: i + 1])
+        seq.num_computed_tokens += n
+        self.bm.commit(seq)
+        self.bm.release_out_of_window(seq)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        child = self.new_seq(seq.token_ids)
+        child.num_computed_tokens = seq.num_computed_tokens
+        self.bm.fork(seq, child)
+        self.live.append(child)
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        self.live.remove(seq)
+
+    # -- invariants --------------------------------------------------------------
+    def check(self) -> None:
+        bm, a = self.bm, self.bm.allocator
+        pc = bm.prefix_cache
+        owners = [0] * bm.num_blocks
+        for table in a.tables.values():
+            for page in table:
+                if page != NULL_BLOCK:
+                    owners[page] += 1
+        assert owners == a.ref_counts  # every reference count equals its owners
+        free = list(a.free_blocks)
+        assert len(set(free)) == len(free)  # never freed twice
+        parked = [p for p in range(bm.num_blocks) if owners[p] == 0 and pc.is_registered(p)]
+        assert pc.num_parked == len(parked)
+        assert sorted(free + parked) == [p for p in range(bm.num_blocks) if owners[p] == 0]  # nothing leaked
+        assert not set(free) & set(pc.page_node)  # a free page is never findable
+        bs = bm.block_size
+        for seq in self.live:  # every slot a sequence can still read holds its own prefix
+            for g, group in enumerate(bm.groups):
+                table = a.block_table(bm.key(seq, g))
+                lo = 0 if group.sliding_window is None else max(0, seq.num_computed_tokens - group.sliding_window + 1)
+                for i in range(lo, seq.num_computed_tokens):
+                    page = table[i // bs]
+                    assert page != NULL_BLOCK
+                    assert self.content[page][i % bs] == tuple(seq.token_ids[: i + 1]), (seq, g, i)
+        for page, (node, _) in pc.page_node.items():  # every registered page holds its block's prefix
+            prefix, n = [], node
+            while n is not None:
+                prefix[:0] = n.tokens
+                n = n.parent
+            depth = len(prefix) // bs - 1
+            for j in range(bs):
+                assert self.content[page][j] == tuple(prefix[: depth * bs + j + 1])
+
+
+GROUPS = [LayerGroup((0,)), LayerGroup((1,), sliding_window=5)]
+TEMPLATES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9, 2, 2, 2, 2], [5, 6, 5, 6, 5, 6, 5, 6],
+             [1, 2, 3, 4, 5, 6, 1, 1, 2, 2, 3, 3]]
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 12), st.lists(st.integers(1, 3), max_size=3),
+              st.integers(1, 4)),
+    st.tuples(st.just("step"), st.integers(0, 99), st.integers(1, 4), st.integers(1, 3)),
+    st.tuples(st.just("fork"), st.integers(0, 99), st.integers(1, 3), st.integers(1, 3)),
+    st.tuples(st.just("free"), st.integers(0, 99)),
+)
+
+
+@pytest.mark.parametrize("eviction, match", [("lru", "page"), ("lfu", "page"), ("slru", "page"), ("arc", "page"),
+                                             ("lru", "token"), ("arc", "token")])
+@pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["blake2b", "colliding"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, max_size=40))
+def test_random_operations_keep_pages_and_contents_consistent(eviction, match, hash_fn, ops):
+    shadow = Shadow(make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn, match=match, block_size=4)
+                    if match == "token" else make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn))
+    for kind, *args in ops:
+        if kind == "add":
+            t, length, extra, chunk = args
+            shadow.admit(shadow.new_seq(TEMPLATES[t][:length] + extra), chunk)
+        elif shadow.live:
+            seq = shadow.live[args[0] % len(shadow.live)]
+            if kind == "step":
+                shadow.step(seq, args[1], args[2])
+            elif kind == "fork" and seq.num_uncomputed_tokens == 0:
+                child = shadow.fork(seq)  # then both decode (into a shared page: copy-on-write)
+                if shadow.step(child, 1, args[2]) and seq in shadow.live:
+                    shadow.step(seq, 1, args[1])
+            elif kind == "free":
+                shadow.free(seq)
+        shadow.check()
+    for seq in list(shadow.live):
+        shadow.free(seq)
+    shadow.check()
+    assert shadow.bm.allocator.num_free_blocks == shadow.bm.num_blocks
+
+
+def test_copy_on_write_keeps_a_forks_writes_private():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=4))
+    parent = shadow.new_seq([1, 2, 3, 4, 5])
+    shadow.admit(parent, 8)
+    child = shadow.fork(parent)
+    shadow.step(parent, 1, 7)
+    shadow.step(child, 1, 8)
+    assert shadow.bm.num_cow_copies == 1
+    shadow.check()
+
+
+def test_a_finished_prefix_is_hit_then_evicted_without_a_stale_hit():
+    shadow = Shadow(make_manager([LayerGroup((0,))], num_blocks=6, block_size=2))
+    first = shadow.new_seq([1, 2, 3, 4, 5])
+    assert shadow.admit(first, 8)
+    shadow.free(first)  # pages [1 2] [3 4] stay cached-free
+    again = shadow.new_seq([1, 2, 3, 4, 7])
+    assert shadow.admit(again, 8) and again.num_computed_tokens - 1 == 4  # hit both full pages, computed 1
+    shadow.check()
+    shadow.free(again)
+    filler = shadow.new_seq([9] * 11)  # needs all 6 pages: every cached-free page is evicted
+    assert shadow.admit(filler, 11)
+    assert shadow.bm.prefix_cache.stats.evictions >= 2
+    shadow.check()
+    shadow.free(filler)
+    late = shadow.new_seq([1, 2, 3, 4, 5])
+    assert shadow.admit(late, 8) and shadow.hits == 4  # only the one earlier hit: nothing stale
+    shadow.check()
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=2))
+    first = shadow.new_seq([1, 2, 3, 4])
+    shadow.admit(first, 8)
+    shadow.free(first)
+    same = shadow.new_seq([1, 2, 3, 4])
+    shadow.admit(same, 8)
+    assert shadow.hits == 2  # [1 2] reused; [3 4] holds the last token, so it is computed again
+
+
+def test_salts_keep_requests_apart():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=2))
+    for salt, hits in [("a", 0), ("a", 4), (b"a", 4), (None, 4), ("b", 4), ("a", 8), (b"a", 12)]:
+        seq = shadow.new_seq([1, 2, 3, 4, 5], salt)
+        shadow.admit(seq, 8)
+        shadow.free(seq)
+        assert shadow.hits == hits, salt
+    with pytest.raises(TypeError, match="cache_salt must be None, a str or bytes, got int"):
+        request_salt(3)
+
+
+def test_colliding_hashes_never_hit_other_content():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=2, hash_fn=collide))
+    a = shadow.new_seq([1, 2, 3, 4, 5])
+    shadow.admit(a, 8)
+    b = shadow.new_seq([1, 3, 3, 4, 5])  # second page's tokens equal a's, parent differs
+    shadow.admit(b, 8)
+    assert shadow.hits == 0
+    c = shadow.new_seq([1, 2, 3, 4, 6])
+    shadow.admit(c, 8)
+    assert shadow.hits == 4
+    shadow.check()
+
+
+def test_sliding_window_group_shares_only_the_window():
+    groups = [LayerGroup((0,)), LayerGroup((1,), sliding_window=3)]
+    shadow = Shadow(make_manager(groups, num_blocks=20, block_size=2))
+    first = shadow.new_seq(list(range(1, 12)))
+    shadow.admit(first, 11)
+    shadow.free(first)
+    again = shadow.new_seq(list(range(1, 12)) + [50])
+    shadow.admit(again, 12)
+    assert again.num_computed_tokens - 2 == 10  # 5 pages hit; the window needs only the last 2 of them
+    # the full group reused 5 pages; the window group (a query at 10 sees 8..10) only page [8 9]
+    assert shadow.bm.prefix_cache.stats.hit_pages == 5 + 1
+    shadow.check()
+
+
+def test_lru_evicts_a_requests_tail_first_and_older_requests_first():
+    lru = PREFIX_EVICTIONS.build("lru")
+    lru.park([1, 2, 3])
+    lru.park([4, 5])
+    lru.unpark(2)
+    assert [lru.evict() for _ in range(len(lru))] == [3, 1, 5, 4]
+
+
+def test_lfu_evicts_the_least_used_page_first():
+    lfu = PREFIX_EVICTIONS.build("lfu")
+    lfu.hit(1)
+    lfu.hit(1)
+    lfu.hit(3)
+    lfu.park([1, 2, 3])
+    assert [lfu.evict() for _ in range(3)] == [2, 3, 1]
+
+
+def test_slru_keeps_pages_that_were_hit():
+    slru = PREFIX_EVICTIONS.build("slru", protected_fraction=0.5)
+    slru.hit(1)
+    slru.park([1, 2])
+    slru.park([3, 4])
+    assert [slru.evict() for _ in range(4)] == [2, 4, 3, 1]
+    with pytest.raises(ValueError, match="protected_fraction must be in"):
+        PREFIX_EVICTIONS.build("slru", protected_fraction=2)
+
+
+def test_arc_grows_its_recent_list_after_a_recent_ghost_returns():
+    arc = PREFIX_EVICTIONS.build("arc")
+    for page, key in [(1, 101), (2, 102), (3, 103)]:
+        arc.register(page, key)
+    arc.hit(3)
+    arc.park([1, 2, 3])
+    assert arc.evict() == 2  # T1 (pages 1, 2; tail first) above its target 0
+    arc.forget(2)
+    arc.register(4, 102)  # block 102 comes back: T1 was too small
+    assert arc._p == 1.0
+    arc.park([4])
+    assert [arc.evict() for _ in range(3)] == [3, 4, 1]  # T1 holds 1 page = its target: T2 goes first
+
+
+def test_token_granularity_shares_a_cached_page_up_to_the_divergence_then_copies_it():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=4, match="token"))
+    first = shadow.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    shadow.admit(first, 16)
+    shadow.free(first)
+    other = shadow.new_seq([1, 2, 3, 4, 5, 6, 0, 0, 0])  # diverges inside the second page
+    shadow.admit(other, 16)
+    assert shadow.hits == 6 and shadow.bm.num_cow_copies == 1  # [1 2 3 4] + [5 6 of 5 6 7 8], copied
+    shadow.check()
+    again = shadow.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    shadow.admit(again, 16)
+    assert shadow.hits == 6 + 8  # the cached page was never written by `other`
+    shadow.check()
