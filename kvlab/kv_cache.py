@@ -41,6 +41,8 @@ class KVCache:
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
         self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.group_of}
         self._calibrated: set[int] = set()
+        self.sparse_read = None  # kvlab.sparse_read.SparseRead, set by the engine for a policy that reads
+        # selected pages at decode: it keeps page key summaries from every store, copy and move
 
     def k(self, layer: int) -> torch.Tensor:
         """[num_pages + 1, block_size, Hkv, D] keys of `layer` (pages of other groups in it are not its own)."""
@@ -57,14 +59,20 @@ class KVCache:
             self._calibrated.add(layer)
         k_scale, v_scale = scales if scales is not None else (None, None)
         ops.store_kv(key, value, self.k(layer), self.v(layer), slot_mapping, k_scale, v_scale)
+        if self.sparse_read is not None:
+            self.sparse_read.stored(layer, key, slot_mapping)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst, in every layer slot."""
         self._apply(ops.copy_blocks, pairs)
+        if self.sparse_read is not None:
+            self.sparse_read.copied(pairs)
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
         """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
         self._apply(ops.compact_slots, moves)
+        if self.sparse_read is not None:
+            self.sparse_read.moved(moves)
 
     def _apply(self, op, pairs: list[tuple[int, int]]) -> None:
         """op(k, v, src [N], dst [N]) on every layer slot's pool tensors."""

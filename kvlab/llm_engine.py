@@ -32,6 +32,7 @@ from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
+from kvlab.sparse_read import SparseRead, SparseReadPolicy, check_engine
 
 
 def layer_groups(config, per_layer: bool = False) -> list[LayerGroup]:
@@ -72,6 +73,7 @@ class LLMEngine:
         ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        check_engine(self.policy, config)
         if config.draft is not None:
             raise NotImplementedError(
                 f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
@@ -112,6 +114,8 @@ class LLMEngine:
                                           config.max_num_batched_tokens)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
+        if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
+            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, dtype)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
@@ -341,9 +345,13 @@ class LLMEngine:
         summary = self.metrics.summary(live)
         if self.compressor:
             summary.update(self.compressor.stats())
+        if self.cache.sparse_read is not None:
+            summary.update(self.cache.sparse_read.stats())
         return summary
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
         if self.compressor:
             self.compressor.reset_stats()
+        if self.cache.sparse_read is not None:
+            self.cache.sparse_read.reset_stats()
