@@ -159,6 +159,7 @@ def test_quest_conforms():  # rocketkv evicts, so it runs with the compressing b
     check_policy("quest", {"budget": 32}, "random:llama-tiny")
 
 
+@pytest.mark.heavy  # ~75 s on the shared machine
 def test_sparse_policies_conform_on_tiny_gemma3_with_sliding_layers():
     check_policy("quest", {"budget": 32}, "random:gemma3-tiny", checks=("budget", "memory", "no_op"))
     check_policy("rocketkv", {"budget": 64, "window_size": 8, "kernel_size": 5}, "random:gemma3-tiny",
