@@ -48,8 +48,7 @@ class SparseReadPolicy(ABC):
         self,
         layer_idx: int,
         q: torch.Tensor,  # [S, Hq, D] the decode query of each sparse row (RoPE applied)
-        kmin: torch.Tensor,  # [S, NB, Hkv, D] channel-wise key minimum of each page of its table (0 where empty)
-        kmax: torch.Tensor,  # [S, NB, Hkv, D] channel-wise key maximum
+        bounds: torch.Tensor,  # [S, NB, Hkv, 2D] per page of its table: [..., :D] key max, [..., D:] -(key min); 0 where empty
         counts: torch.Tensor,  # [S, NB] int64 cached tokens in each page (0: padding or released)
         scale: float,  # the attention's logit scale
     ) -> torch.Tensor:  # [S, NB] float, higher = read; empty pages are masked and the newest page forced after
@@ -57,37 +56,47 @@ class SparseReadPolicy(ABC):
 
 
 class PageSummaries:
-    """Channel-wise key min / max per page, per layer slot of the pool (kvlab.kv_cache's layout)."""
+    """Channel-wise key max and (negated) min per page, per layer slot of the pool (kvlab.kv_cache's layout).
+
+    `bounds[s]`: [num_pages + 2, Hkv, 2 * D] with `[..., :D]` = max and `[..., D:]` = -min over the page's
+    keys, so one `amax` keeps both and one matmul scores a page (q+ . max + q- . min = [q+, -q-] . bounds).
+    Row `num_pages` is the null page (always zero: padding and released entries gather it); row
+    `num_pages + 1` absorbs skipped writes."""
 
     def __init__(self, num_slots: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_pages + 1, num_kv_heads, head_dim)  # the last row is the null page (never read)
-        self.kmin = [torch.full(shape, math.inf, dtype=dtype, device=device) for _ in range(num_slots)]
-        self.kmax = [torch.full(shape, -math.inf, dtype=dtype, device=device) for _ in range(num_slots)]
+        shape = (num_pages + 2, num_kv_heads, 2 * head_dim)
+        self.bounds = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_slots)]
         self.block_size = block_size
         self.null_page = num_pages
+        self.scratch = num_pages + 1
         self.stale: set[int] = set()  # pages a compaction rewrote: recomputed from the pool before the next step
 
     def update(self, slot: int, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """key [T, Hkv, D] written at `slot_mapping` [T] (< 0: skipped) in layer slot `slot`."""
-        bs, null = self.block_size, self.null_page
+        bs, bounds = self.block_size, self.bounds[slot]
         valid = slot_mapping >= 0
-        page = torch.where(valid, slot_mapping // bs, null)  # [T]
-        fresh = torch.where(valid & (slot_mapping % bs == 0), page, null)  # pages started afresh by this write
-        kmin, kmax = self.kmin[slot], self.kmax[slot]
-        kmin.index_fill_(0, fresh, math.inf)
-        kmax.index_fill_(0, fresh, -math.inf)
-        index = page[:, None, None].expand(key.shape)  # [T, Hkv, D]
-        kmin.scatter_reduce_(0, index, key.to(kmin.dtype), "amin")
-        kmax.scatter_reduce_(0, index, key.to(kmax.dtype), "amax")
+        page = torch.where(valid, slot_mapping // bs, self.scratch)  # [T]
+        fresh = torch.where(valid & (slot_mapping % bs == 0), page, self.scratch)  # pages a write starts afresh
+        bounds.index_fill_(0, fresh, -math.inf)
+        both = torch.cat([key, -key], dim=-1).to(bounds.dtype)  # [T, Hkv, 2D]
+        bounds.scatter_reduce_(0, page[:, None, None].expand(both.shape), both, "amax")
+
+    def kmax(self, slot: int) -> torch.Tensor:
+        """[num_pages + 2, Hkv, D] channel-wise key maximum of every page (a view)."""
+        return self.bounds[slot][..., : self.bounds[slot].shape[-1] // 2]
+
+    def kmin(self, slot: int) -> torch.Tensor:
+        """[num_pages + 2, Hkv, D] channel-wise key minimum of every page."""
+        return -self.bounds[slot][..., self.bounds[slot].shape[-1] // 2 :]
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies page src -> dst: the summaries follow."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.kmin[0].device)
+        src = torch.tensor([s for s, _ in pairs], device=self.bounds[0].device)
         dst = torch.tensor([d for _, d in pairs], device=src.device)
-        for t in (*self.kmin, *self.kmax):
+        for t in self.bounds:
             t.index_copy_(0, dst, t.index_select(0, src))
         self.stale.update(d for s, d in pairs if s in self.stale)
 
@@ -100,14 +109,14 @@ class PageSummaries:
         """Recompute `pages` from the pool, each over its first `counts` tokens, in every layer slot."""
         if not pages:
             return
-        dev = self.kmin[0].device
+        dev = self.bounds[0].device
         p = torch.tensor(pages, dtype=torch.int64, device=dev)  # [P]
         n = torch.tensor(counts, dtype=torch.int64, device=dev)  # [P]
         held = (torch.arange(self.block_size, device=dev)[None, :] < n[:, None])[:, :, None, None]  # [P, bs, 1, 1]
         for s, (k, scale) in enumerate(zip(k_pool, k_scales)):
-            keys = dequantize_ref(k.index_select(0, p), scale, self.kmin[s].dtype)  # [P, bs, Hkv, D]
-            self.kmin[s].index_copy_(0, p, torch.where(held, keys, math.inf).amin(dim=1))
-            self.kmax[s].index_copy_(0, p, torch.where(held, keys, -math.inf).amax(dim=1))
+            keys = dequantize_ref(k.index_select(0, p), scale, self.bounds[s].dtype)  # [P, bs, Hkv, D]
+            both = torch.where(held, torch.cat([keys, -keys], dim=-1), -math.inf)  # [P, bs, Hkv, 2D]
+            self.bounds[s].index_copy_(0, p, both.amax(dim=1))
         self.stale.difference_update(pages)
 
 
@@ -191,7 +200,7 @@ class _Rows:
         self.table = table.to(dev)
         self.summary_pages = table.masked_fill(table == NULL_BLOCK, null_page).to(dev)  # [S, NB]
         self.counts = counts.to(dev)
-        self.empty_pages = (counts == 0).to(dev)
+        self.empty_pages = (counts == 0).to(dev)  # [S, NB]
         self.last = torch.tensor([nb[b] - 1 for b in self.rows], dtype=torch.int64, device=dev)  # [S]
         self.q_index = torch.tensor([plan.cu_seqlens_q[b] for b in self.rows], dtype=torch.int64, device=dev)
         self.row_index = torch.tensor(self.rows, dtype=torch.int64, device=dev)
@@ -202,6 +211,7 @@ class _Rows:
         self.full = torch.tensor([t[: self.width] + [NULL_BLOCK] * (self.width - len(t[: self.width]))
                                   for t in tables], dtype=torch.int64, device=dev)  # [B, W]
         self.pad = torch.full((len(self.rows), self.width - pages), NULL_BLOCK, dtype=torch.int64, device=dev)
+        self.every_row = self.rows == list(range(len(tables))) and self.width == pages
         self.tokens_read = sum(self.seq_lens[b] for b in self.rows)
         self.tokens_cached = sum(plan.seq_lens[b] for b in self.rows)
         self.max_read = max(self.seq_lens[b] for b in self.rows)
@@ -231,17 +241,17 @@ class SparseStep:
         if rows.empty:
             return plan
         reader, k = self.reader, self.reader.pages
-        summaries, s = reader.summaries, reader.cache.slot_of[layer]
-        empty = rows.empty_pages[:, :, None, None]
-        kmin = summaries.kmin[s][rows.summary_pages].masked_fill(empty, 0)  # [S, NB, Hkv, D]
-        kmax = summaries.kmax[s][rows.summary_pages].masked_fill(empty, 0)
-        scores = reader.policy.page_scores(layer, q.index_select(0, rows.q_index), kmin, kmax, rows.counts, scale)
+        bounds = reader.summaries.bounds[reader.cache.slot_of[layer]][rows.summary_pages]  # [S, NB, Hkv, 2D]
+        scores = reader.policy.page_scores(layer, q.index_select(0, rows.q_index), bounds, rows.counts, scale)
         scores = scores.float().masked_fill(rows.empty_pages, -math.inf)  # [S, NB]
         scores.scatter_(1, rows.last[:, None], math.inf)  # the newest page is always read, and comes last
         chosen = scores.topk(k, dim=1).indices.sort(dim=1).values  # [S, K] table positions, ascending
         self.selected[layer] = chosen
-        reduced = torch.cat([rows.table.gather(1, chosen), rows.pad], dim=1)  # [S, W]
-        tables = rows.full.index_copy(0, rows.row_index, reduced)  # [B, W]
+        reduced = rows.table.gather(1, chosen)  # [S, K]
+        if rows.every_row:  # all rows decode past the budget: the reduced rows are the table
+            tables = reduced
+        else:
+            tables = rows.full.index_copy(0, rows.row_index, torch.cat([reduced, rows.pad], dim=1))  # [B, W]
         reader.reads += len(rows.rows)
         reader.tokens_read += rows.tokens_read
         reader.tokens_cached += rows.tokens_cached

@@ -50,25 +50,26 @@ class Quest(SparseReadPolicy, Policy):
                              f"2 * block_size = {2 * block_size} tokens, got {self.budget}")
         return pages
 
-    def page_scores(self, layer_idx, q, kmin, kmax, counts, scale):
-        return quest_page_mass(q, kmin, kmax, counts, scale).index_fill(1, torch.tensor([0], device=q.device),
-                                                                           math.inf)  # the sink page is always read
+    def page_scores(self, layer_idx, q, bounds, counts, scale):
+        mass = quest_page_mass(q, bounds, counts, scale)  # [S, NB]
+        mass[:, 0] = math.inf  # the sink page is always read
+        return mass
 
     def score(self, layer_idx, keys, values, queries, attn_stats):
         return None  # never called: quest evicts nothing
 
 
-def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q [S, Hq, D], kmin / kmax [S, NB, Hkv, D] -> U [S, Hkv, g, NB]: sum_d max(q_d min_d, q_d max_d),
-    computed as q+ . max + q- . min (g = Hq / Hkv query heads per KV head)."""
+def quest_bounds(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """q [S, Hq, D], bounds [S, NB, Hkv, 2D] ([max | -min]) -> U [S, Hkv, g, NB]:
+    sum_d max(q_d min_d, q_d max_d) = [q+, (-q)+] . [max | -min] (g = Hq / Hkv query heads per KV head)."""
     S, Hq, D = q.shape
-    Hkv = kmin.shape[2]
+    Hkv = bounds.shape[2]
     qg = q.float().view(S, Hkv, Hq // Hkv, D)
-    return (torch.einsum("shgd,snhd->shgn", qg.clamp(min=0), kmax.float())
-            + torch.einsum("shgd,snhd->shgn", qg.clamp(max=0), kmin.float()))
+    q2 = torch.cat([qg.clamp(min=0), qg.neg().clamp(min=0)], dim=-1)  # [S, Hkv, g, 2D]
+    return torch.matmul(q2, bounds.float().permute(0, 2, 3, 1))  # [S, Hkv, g, NB]
 
 
-def quest_page_mass(q, kmin, kmax, counts, scale) -> torch.Tensor:
+def quest_page_mass(q, bounds, counts, scale) -> torch.Tensor:
     """[S, NB]: per query head, softmax over pages of scale * U + log(count); summed over heads."""
-    logits = quest_bounds(q, kmin, kmax) * scale + counts.float().log()[:, None, None, :]  # empty pages: -inf
+    logits = quest_bounds(q, bounds) * scale + counts.float().log()[:, None, None, :]  # empty pages: -inf
     return logits.softmax(dim=-1).sum(dim=(1, 2))

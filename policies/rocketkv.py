@@ -96,19 +96,19 @@ class RocketKV(SparseReadPolicy, Policy):
                              f">= 2 * block_size = {2 * block_size} tokens, got {self.budget}")
         return pages
 
-    def page_scores(self, layer_idx, q, kmin, kmax, counts, scale):
+    def page_scores(self, layer_idx, q, bounds, counts, scale):
         S, Hq, D = q.shape
-        Hkv = kmin.shape[2]
+        Hkv = bounds.shape[2]
         qg = q.float().view(S, Hkv, Hq // Hkv, D)
-        sign = qg.sum(dim=2) > 0  # [S, Hkv, D] the sign of each channel over a KV head's query heads
-        bound = torch.where(sign[:, None], kmax.float(), kmin.float())  # [S, NB, Hkv, D]
-        picked = self._channel_mask(qg, counts)  # [S, Hkv, D]
-        q_hat = qg * picked[:, :, None]  # [S, Hkv, g, D] only the chosen channels
-        approx = torch.einsum("shgd,snhd->shgn", q_hat, bound)  # [S, Hkv, g, NB]
-        share = q_hat.abs().sum(-1) / qg.abs().sum(-1).clamp_min(1e-30)  # [S, Hkv, g]
+        up = (qg.sum(dim=2, keepdim=True) > 0).float()  # [S, Hkv, 1, D] the sign of each channel over a KV head
+        q_hat = qg * self._channel_mask(qg, counts)[:, :, None]  # [S, Hkv, g, D] only the chosen channels
+        # q_hat . (max where up, else min) = [q_hat * up, -q_hat * (1 - up)] . [max | -min]
+        q2 = torch.cat([q_hat * up, q_hat * (up - 1)], dim=-1)  # [S, Hkv, g, 2D]
+        approx = torch.matmul(q2, bounds.float().permute(0, 2, 3, 1))  # [S, Hkv, g, NB]
+        share = q_hat.abs().sum(-1) / qg.abs().sum(-1).clamp_min(1e-30)  # [S, Hkv, g] of |q| in the chosen channels
         logits = approx * (scale / share.clamp_min(1e-30).sqrt())[..., None]
         logits = logits + counts.float().log()[:, None, None, :]  # empty pages: -inf
-        return logits.softmax(dim=-1).mean(dim=(1, 2))  # [S, NB]
+        return logits.softmax(dim=-1).sum(dim=(1, 2))  # [S, NB] (the paper's mean over heads, times Hq)
 
     def _channel_mask(self, qg: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """[S, Hkv, D] bool: each row's top channels of |q| summed over the query heads of a KV head."""
@@ -116,10 +116,11 @@ class RocketKV(SparseReadPolicy, Policy):
         if self.channels is not None:
             r = torch.full((S,), min(self.channels, D), device=qg.device)
         else:
-            block = counts.max(dim=1).values.clamp_min(1)  # [S] the page size (full pages hold block_size)
+            block = counts.amax(dim=1).clamp_min(1)  # [S] the page size (full pages hold block_size)
             n = counts.sum(dim=1)  # [S] cached tokens
             r = (D * block * (self.budget // 2) + n - 1) // n  # ceil(D * bs * (budget // 2) / n)
             r = r.clamp(1, D)
-        order = qg.abs().sum(dim=2).argsort(dim=-1, descending=True)  # [S, Hkv, D]
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(D, device=qg.device).expand_as(order))
-        return rank < r[:, None, None]
+        weight = qg.abs().sum(dim=2)  # [S, Hkv, D]
+        ranked = weight.sort(dim=-1, descending=True).values  # [S, Hkv, D]
+        least = ranked.gather(-1, (r - 1).view(S, 1, 1).expand(S, Hkv, 1))  # [S, Hkv, 1] the r-th largest
+        return weight >= least  # (channels tied with the r-th all count)

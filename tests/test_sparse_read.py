@@ -139,18 +139,19 @@ def test_page_summaries_are_exact_after_writes_copies_and_compaction():
     keys = torch.randn(10, HKV, D, generator=g)
     write(cache, 0, [7, 3, 9], keys, keys, chunk=3)
     for j, p in enumerate([7, 3, 9]):
-        torch.testing.assert_close(s.kmin[0][p], keys[j * BS : (j + 1) * BS].min(dim=0).values)
-        torch.testing.assert_close(s.kmax[0][p], keys[j * BS : (j + 1) * BS].max(dim=0).values)
+        torch.testing.assert_close(s.kmin(0)[p], keys[j * BS : (j + 1) * BS].min(dim=0).values)
+        torch.testing.assert_close(s.kmax(0)[p], keys[j * BS : (j + 1) * BS].max(dim=0).values)
     cache.copy_blocks([(9, 11)])  # copy-on-write
-    torch.testing.assert_close(s.kmax[0][11], keys[8:10].max(dim=0).values)
+    torch.testing.assert_close(s.kmax(0)[11], keys[8:10].max(dim=0).values)
+    assert not s.bounds[0][s.null_page].any()  # the null page reads as zero
     # compaction keeps cache indices 0, 5, 6, 9 -> 0..3 (all in page 7); the page is refreshed before the next step
     cache.move_slots([(3 * BS + 1, 7 * BS + 1), (3 * BS + 2, 7 * BS + 2), (9 * BS + 1, 7 * BS + 3)])
     assert s.stale == {7}
     plan = plan_paged_attention([0, 1], [5], [[7, 3]], BS, None, "cpu")  # one token written this step at index 4
     cache.sparse_read.begin_step([], [], [plan])
     kept = keys[[0, 5, 6, 9]]
-    torch.testing.assert_close(s.kmin[0][7], kept.min(dim=0).values)
-    torch.testing.assert_close(s.kmax[0][7], kept.max(dim=0).values)
+    torch.testing.assert_close(s.kmin(0)[7], kept.min(dim=0).values)
+    torch.testing.assert_close(s.kmax(0)[7], kept.max(dim=0).values)
     assert not s.stale
 
 
@@ -235,8 +236,8 @@ def test_rocketkv_evicts_like_snapkv_then_reads_a_subset():
             for g in range(len(bm.groups)):
                 keys = engine.compressor.gather(seq, g, bm.groups[g].layers[0])[0]  # [kept + 1, Hkv, D]
                 for j, page in enumerate(bm.block_tables([seq], g)[0]):
-                    torch.testing.assert_close(s.kmin[0][page], keys[j * 16 : (j + 1) * 16].min(dim=0).values)
-                    torch.testing.assert_close(s.kmax[0][page], keys[j * 16 : (j + 1) * 16].max(dim=0).values)
+                    torch.testing.assert_close(s.kmin(0)[page], keys[j * 16 : (j + 1) * 16].min(dim=0).values)
+                    torch.testing.assert_close(s.kmax(0)[page], keys[j * 16 : (j + 1) * 16].max(dim=0).values)
         while engine.has_unfinished():
             engine.step()
     for a, b in zip(*held):
@@ -256,10 +257,10 @@ def test_rocketkv_channel_rule_and_scores():
     mask = policy._channel_mask(q.view(1, 2, 2, 8), counts)
     assert mask.sum(dim=-1).tolist() == [[4, 4]] and mask[0, :, 2].all()  # ceil(8 * 16 * 8 / 324) = 4
     assert POLICIES.build("rocketkv", budget=64)._channel_mask(q.view(1, 2, 2, 8), counts).all()  # 13 -> D
-    kmin = torch.zeros(1, 21, 2, 8)
-    kmax = torch.zeros(1, 21, 2, 8)
-    kmax[0, 7, :, 2] = 5.0
-    scores = policy.page_scores(0, q, kmin, kmax, counts, 8 ** -0.5)
+    bounds = torch.zeros(1, 21, 2, 16)  # [max | -min]
+    bounds[0, 7, :, 2] = 5.0  # page 7's keys reach 5 along channel 2
+    bounds[0, 3, :, 8 + 2] = 5.0  # page 3's reach -5: the sign of q picks the max, so it does not count
+    scores = policy.page_scores(0, q, bounds, counts, 8 ** -0.5)
     assert scores.argmax().item() == 7
 
 
