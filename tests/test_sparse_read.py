@@ -251,17 +251,16 @@ def test_rocketkv_channel_rule_and_scores():
     """channels=None reads ceil(D * bs * (budget // 2) / n) channels per KV head (at most D); a page
     whose bound is far larger on the chosen channels ranks first."""
     policy = POLICIES.build("rocketkv", budget=16)
-    q = torch.zeros(1, 4, 8)
-    q[0, :, 2] = 1.0  # every query head looks along channel 2
+    q = torch.tensor([0.1, 0.2, 1.0, 0.3, 0.05, 0.4, 0.15, 0.25]).expand(1, 4, 8)  # channel 2 first, then 5, 3, 7
     counts = torch.tensor([[16] * 20 + [4]])  # 324 tokens
-    mask = policy._channel_mask(q.view(1, 2, 2, 8), counts)
-    assert mask.sum(dim=-1).tolist() == [[4, 4]] and mask[0, :, 2].all()  # ceil(8 * 16 * 8 / 324) = 4
-    assert POLICIES.build("rocketkv", budget=64)._channel_mask(q.view(1, 2, 2, 8), counts).all()  # 13 -> D
+    mask = policy._channel_mask(q.reshape(1, 2, 2, 8), counts)
+    assert mask[0, 0].nonzero().view(-1).tolist() == [2, 3, 5, 7] and mask[0, 1].equal(mask[0, 0])  # 4 channels
+    assert POLICIES.build("rocketkv", budget=64)._channel_mask(q.reshape(1, 2, 2, 8), counts).all()  # 13 -> D
     bounds = torch.zeros(1, 21, 2, 16)  # [max | -min]
     bounds[0, 7, :, 2] = 5.0  # page 7's keys reach 5 along channel 2
     bounds[0, 3, :, 8 + 2] = 5.0  # page 3's reach -5: the sign of q picks the max, so it does not count
     scores = policy.page_scores(0, q, bounds, counts, 8 ** -0.5)
-    assert scores.argmax().item() == 7
+    assert scores.argmax().item() == 7 and scores[0, 3] == scores[0, 0]
 
 
 # -- bad input ---------------------------------------------------------------------------------
