@@ -27,7 +27,7 @@ from bench_throughput import commit_line, load_average, log, metadata, table  # 
 
 COLUMNS = [("variant", "variant"), ("step_ms", "decode step ms (median)"), ("vs_full", "step time / full"),
            ("select_ms", "page selection ms per step"), ("read_share", "share of cached slots read"),
-           ("pages_held", "pages held after prefill"), ("agreement", "agreement with full"),
+           ("slots_held", "KV slots held per layer after prefill"), ("agreement", "agreement with full"),
            ("first_diff", "first differing token")]
 
 
@@ -63,7 +63,11 @@ def run_once(model, loaded, policy, policy_args, prompt, args) -> dict:
         seq = engine.scheduler.waiting[0]
         while seq.num_computed_tokens < len(prompt):
             engine.step()
-        pages_held = engine.block_manager.num_used_blocks()
+        bm = engine.block_manager
+        layers = sum(len(g.layers) for g in bm.groups)
+        held = sum(len([b for b in bm.block_tables([seq], g)[0] if b >= 0]) * len(group.layers)
+                   for g, group in enumerate(bm.groups))
+        slots_held = held * bm.block_size / layers  # cache slots (tokens) per layer, in whole pages
         steps, select = [], []
         while engine.has_unfinished():
             spent[0] = 0.0
@@ -74,7 +78,7 @@ def run_once(model, loaded, policy, policy_args, prompt, args) -> dict:
     finally:
         SparseStep.plan = original
     stats = engine.stats()
-    return {"tokens": seq.output_token_ids, "steps": steps, "select": select, "pages_held": pages_held,
+    return {"tokens": seq.output_token_ids, "steps": steps, "select": select, "slots_held": slots_held,
             "read": stats.get("sparse_tokens_read", 0), "cached": stats.get("sparse_tokens_cached", 0)}
 
 
@@ -108,20 +112,24 @@ def main(argv=None) -> dict:
             "variant": name, "step_ms": step_ms, "vs_full": step_ms / full_ms,
             "select_ms": 1000 * statistics.median(t for run in rs for t in run["select"][1:]),
             "read_share": rs[0]["read"] / rs[0]["cached"] if rs[0]["cached"] else float("nan"),
-            "pages_held": rs[0]["pages_held"], "agreement": sum(same) / len(same),
+            "slots_held": rs[0]["slots_held"], "agreement": sum(same) / len(same),
             "first_diff": same.index(False) if False in same else None,
             "deterministic": all(r["tokens"] == tokens for r in rs),
         })
-    result = {"rows": rows, "prompt_tokens": len(prompt), "meta": meta}
+    tok = loaded.tokenizer
+    texts = {name: tok.decode(rs[0]["tokens"]) if tok is not None else str(rs[0]["tokens"]) for name, rs in runs.items()}
+    tail = tok.decode(prompt[-40:]) if tok is not None else ""
+    result = {"rows": rows, "prompt_tokens": len(prompt), "texts": texts, "prompt_tail": tail, "meta": meta}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(report(rows, len(prompt), meta, args))
+    out.with_suffix(".md").write_text(report(rows, len(prompt), meta, args, texts, tail))
     print(table(rows, COLUMNS))
     return result
 
 
-def report(rows, prompt_tokens, meta, args) -> str:
+def report(rows, prompt_tokens, meta, args, texts, tail) -> str:
+    continuations = "\n".join(f"| {name} | {json.dumps(text)} |" for name, text in texts.items())
     return f"""# Sparse reading at decode: quest and rocketkv against the full cache ({args.model})
 
 Command: `{meta['command']}` (commit {commit_line(meta)}; {meta['machine']}).
@@ -142,6 +150,14 @@ average at the start: {meta['load_start']}, at the end: {load_average()}); times
 Budgets: quest reads `budget` tokens a step (budget / 16 pages, sink and newest included); rocketkv's
 budget is the paper's token budget, of which the exact attention reads half (budget / 32 pages) and
 stage 1 keeps n / c^r tokens of the prompt (c = n / budget, r = min(0.2 + 0.06 log2 c, 0.8)).
+KV slots held per layer count whole pages (full and quest: every prompt token; rocketkv: its stage-1
+kept set).
+
+The prompt ends: {json.dumps(tail)}
+
+| variant | greedy continuation |
+|---|---|
+{continuations}
 """
 
 

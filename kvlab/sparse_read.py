@@ -5,12 +5,13 @@ a later step selects them (Quest, arXiv:2406.10774; RocketKV's second stage, arX
 Three parts, kept apart from the dense path:
 
 - `SparseReadPolicy`, the capability a policy implements: how many pages a step reads and a score
-  per page (higher = read) from the step's queries and the pages' key summaries.
-- `PageSummaries`: per page and per layer, the channel-wise min and max of its keys,
-  `[num_pages + 1, Hkv, D]` per layer slot (laid out like the pool), updated from `KVCache.store`
-  as keys are written (a write at offset 0 starts the page afresh), copied with copy-on-write
-  copies, and recomputed exactly from the pool for the pages a compaction rewrote (before the next
-  step writes anything).
+  per page (higher = read) from the step's queries and the pages' key bounds.
+- `PageSummaries`: per page and per layer, the channel-wise max and min of its keys, kept as
+  `[num_pages + 2, Hkv, 2 * D]` (max | -min) per layer slot (pages indexed like the pool), updated
+  from `KVCache.store` as keys are written (a write at offset 0 starts the page afresh), copied with
+  copy-on-write copies, and recomputed exactly from the pool for the pages a compaction rewrote
+  (before the next step writes anything). They live beside the pool, outside its byte budget
+  (1 / block_size of the keys' size).
 - `SparseRead` / `SparseStep`: once per step, which batch rows are decoding (a sequence computing one
   generated token; prefill chunks, scoring requests and extends stay dense); once per layer group
   and step, their tables as tensors; once per layer, the policy's top-k pages and a reduced
