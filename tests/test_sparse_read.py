@@ -82,9 +82,12 @@ def write(cache, layer, table, keys, values, start=0, chunk=5):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_sparse_read_equals_attention_masked_to_the_pages_quest_selects(backend):
-    """Rows: a long decode (reduced to 3 of 6 pages), a short decode (fits: dense), an extend (dense)
-    and a decode whose table has a released page (every live page fits the budget: equals dense)."""
+@pytest.mark.parametrize("with_extend", [True, False])
+def test_sparse_read_equals_attention_masked_to_the_pages_quest_selects(backend, with_extend):
+    """Rows: a long decode (reduced to 3 of 6 pages), a short decode with a released page (fits:
+    dense), an extend (dense) and a decode whose table has a released page (every live page fits the
+    budget: equals dense).
+    Without the extend row the plan is decode-only (the torch path's tensor-built part)."""
     g = torch.Generator().manual_seed(0)
     cache = make_cache(budget=3 * BS)
     # pages previously used by something else: stale content that a write at offset 0 must reset
@@ -96,40 +99,47 @@ def test_sparse_read_equals_attention_masked_to_the_pages_quest_selects(backend)
     for n in lens:
         tables.append(perm[at : at + -(-n // BS)])
         at += len(tables[-1])
-    tables[3][1] = NULL_BLOCK  # released (cache indices 4..7 are never read)
+    released = {1: 1, 3: 1}  # row -> its released page (cache indices 4..7 are never read)
+    for b, j in released.items():
+        tables[b][j] = NULL_BLOCK
     keys = [torch.randn(n, HKV, D, generator=g) for n in lens]
     values = [torch.randn(n, HKV, D, generator=g) for n in lens]
     for b in range(4):
-        live = [p for p in tables[b] if p != NULL_BLOCK]
-        if b == 3:  # write around the released page
+        if b in released:  # write around the released page
+            live = [p for p in tables[b] if p != NULL_BLOCK]
             write(cache, 1, tables[b], keys[b][:4], values[b][:4])
             write(cache, 1, [live[0], 0] + live[1:], keys[b], values[b], start=8)
-            keys[b][4:8] = 0  # what the dense path sees there: nothing (masked)
         else:
             write(cache, 1, tables[b], keys[b], values[b])
+    rows = [0, 1, 2, 3] if with_extend else [0, 1, 3]
     cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
+    for b in rows:
+        cu.append(cu[-1] + q_lens[b])
     q = torch.randn(cu[-1], HKV * G, D, generator=g)
-    plan = plan_paged_attention(cu, lens, tables, BS, None, "cpu", null_block=cache.null_page)
-    step = SparseStep(cache.sparse_read, decode=[True, True, False, True])
+    plan = plan_paged_attention(cu, [lens[b] for b in rows], [tables[b] for b in rows], BS, None, "cpu",
+                                null_block=cache.null_page)
+    step = SparseStep(cache.sparse_read, decode=[q_lens[b] == 1 for b in rows])
     reduced = step.plan(1, q, plan, SCALE)
-    assert reduced.seq_lens == (2 * BS + 3, 9, 14, 2 * BS + 3)  # 3 pages, the newest (3 tokens) last
+    assert reduced.seq_lens == tuple({0: 2 * BS + 3, 3: 2 * BS + 3}.get(b, lens[b]) for b in rows)  # newest last
     with ops.backend(backend):
         got = ops.run_paged_attention(q, cache.k(1), cache.v(1), reduced, SCALE)
         dense = ops.run_paged_attention(q, cache.k(1), cache.v(1), plan, SCALE)
     tol = dict(atol=2e-5, rtol=1e-5)
-    # row 0: exactly the pages Quest's bound selects, attended densely
-    pages = quest_reference_pages(q[0], keys[0], 3)
+    pages = quest_reference_pages(q[0], keys[0], 3)  # row 0: exactly the pages Quest's bound selects
     assert set(step.selected[1][0].tolist()) == pages and {0, 5} <= pages
-    visible = torch.tensor([i // BS in pages for i in range(23)])
-    torch.testing.assert_close(got[0], masked_attention(q[0], keys[0], values[0], visible), **tol)
+    for r, b in enumerate(rows):
+        for i in range(q_lens[b]):
+            t = cu[r] + i
+            pos = lens[b] - q_lens[b] + i  # causal: the query sees cache indices <= pos
+            visible = torch.arange(lens[b]) <= pos
+            if b == 0:
+                visible &= torch.tensor([j // BS in pages for j in range(lens[b])])
+            if b in released:
+                visible &= ~((torch.arange(lens[b]) >= 4) & (torch.arange(lens[b]) < 8))
+            torch.testing.assert_close(got[t], masked_attention(q[t], keys[b], values[b], visible), **tol)
+            if b != 0:  # rows that fit, or do not decode, read everything: the dense output
+                torch.testing.assert_close(got[t], dense[t], **tol)
     assert not torch.allclose(got[0], dense[0], atol=1e-3)  # the dropped pages mattered
-    # rows that fit, or do not decode, read everything: the dense output
-    torch.testing.assert_close(got[1:7], dense[1:7], **tol)
-    visible = torch.tensor([not 4 <= i < 8 for i in range(15)])
-    torch.testing.assert_close(got[7], masked_attention(q[7], keys[3], values[3], visible), **tol)
-    torch.testing.assert_close(got[7], dense[7], **tol)
 
 
 def test_page_summaries_are_exact_after_writes_copies_and_compaction():
