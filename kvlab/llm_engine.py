@@ -115,7 +115,8 @@ class LLMEngine:
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
-            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, dtype)
+            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
+                                                dtype, config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \

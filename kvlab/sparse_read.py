@@ -124,14 +124,14 @@ class PageSummaries:
 class SparseRead:
     """The engine's sparse reader: the policy, the page summaries and what was read (set on the KVCache)."""
 
-    def __init__(self, policy: SparseReadPolicy, cache, block_size: int, dtype: torch.dtype):
+    def __init__(self, policy: SparseReadPolicy, cache, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
         self.policy = policy
         self.cache = cache
         self.block_size = block_size
         self.pages = policy.pages_read(block_size)
-        k0 = cache.k(next(iter(cache.slot_of)))  # [num_pages + 1, block_size, Hkv, D]
-        self.summaries = PageSummaries(len(cache.groups[0].layers), cache.null_page, block_size, k0.shape[2],
-                                       k0.shape[3], dtype, k0.device)
+        self.summaries = PageSummaries(len(cache.groups[0].layers), cache.null_page, block_size, num_kv_heads,
+                                       head_dim, dtype, device)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -167,12 +167,13 @@ class SparseRead:
         """Recompute the stale pages the step's tables hold, over the slots cached before the step."""
         stale, bs, cache = self.summaries.stale, self.block_size, self.cache
         for g, plan in enumerate(plans):  # plan g is layer group g's: its pages hold its layers
-            pages, counts = [], []
+            pages, counts, seen = [], [], set()
             q_lens = plan.q_lens
             for b, table in enumerate(plan.block_tables):
                 before = plan.seq_lens[b] - q_lens[b]
                 for j, page in enumerate(table):
-                    if page in stale and page not in pages:
+                    if page in stale and page not in seen:
+                        seen.add(page)
                         pages.append(int(page))
                         counts.append(max(0, min(bs, before - j * bs)))
             layers = cache.groups[g].layers  # in slot order

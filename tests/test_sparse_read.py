@@ -69,7 +69,7 @@ def make_cache(budget: int):
     groups = equal_groups([None, None])  # one group of 2 layers
     cache = KVCache(groups, 64, BS, HKV, D, QUANT_FORMATS.build("fp32"), torch.float32, "cpu")
     policy = POLICIES.build("quest", budget=budget)
-    cache.sparse_read = SparseRead(policy, cache, BS, torch.float32)
+    cache.sparse_read = SparseRead(policy, cache, BS, HKV, D, torch.float32, "cpu")
     return cache
 
 
