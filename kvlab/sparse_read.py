@@ -39,6 +39,10 @@ from kvlab.kernels.reference.store_kv import dequantize_ref
 class SparseReadPolicy(ABC):
     """A policy that, at decode, reads only selected pages (mix in before `Policy`)."""
 
+    def reads_sparsely(self, layer_idx: int) -> bool:
+        """Whether `layer_idx` reads selected pages at all (False: it reads densely)."""
+        return True
+
     @abstractmethod
     def pages_read(self, block_size: int) -> int:
         """Pages one decode step reads per sequence and layer (the newest page included); raises
@@ -237,7 +241,7 @@ class SparseStep:
     def plan(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float) -> AttentionPlan:
         """q [T, Hq, D] this step's queries of `layer`; returns `plan` with each decoding row's table
         reduced to the pages the policy selects (rows that fit in the budget read everything)."""
-        if plan.sliding_window is not None or plan.tree_mask is not None:
+        if plan.sliding_window is not None or plan.tree_mask is not None or not self.reader.policy.reads_sparsely(layer):
             return plan  # a window already bounds the read; trees (speculation) are refused at engine build
         rows = self.rows(plan)
         if rows.empty:

@@ -28,9 +28,14 @@ class Quest(SparseReadPolicy, Policy):
     a softmax over pages (the attention mass the page could draw, `scale * U` plus the log of its token
     count), summed over all query heads, and the top pages of the sum are read.
 
+    dense_layers: the first layers read densely (the paper leaves the first two layers dense: their
+    attention is not sparse enough).
+
     `compression_ratio`, `when` and `every` (eviction schedules) do not apply: a ratio is refused,
     `when` / `every` are accepted and ignored (as by `full`), so sweeps over policies can pass them.
     """
+
+    dense_layers: int = 2
 
     compresses: ClassVar[bool] = False  # nothing is evicted: the cache layout is the full cache's
 
@@ -42,6 +47,11 @@ class Quest(SparseReadPolicy, Policy):
             raise ValueError("quest needs a budget (tokens read per decode step per layer)")
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ValueError(f"budget must be an integer >= 1 (tokens read per decode step), got {self.budget!r}")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+
+    def reads_sparsely(self, layer_idx: int) -> bool:
+        return layer_idx >= self.dense_layers
 
     def pages_read(self, block_size: int) -> int:
         pages = self.budget // block_size

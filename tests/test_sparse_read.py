@@ -68,7 +68,7 @@ def masked_attention(q, keys, values, visible):
 def make_cache(budget: int):
     groups = equal_groups([None, None])  # one group of 2 layers
     cache = KVCache(groups, 64, BS, HKV, D, QUANT_FORMATS.build("fp32"), torch.float32, "cpu")
-    policy = POLICIES.build("quest", budget=budget)
+    policy = POLICIES.build("quest", budget=budget, dense_layers=0)
     cache.sparse_read = SparseRead(policy, cache, BS, HKV, D, torch.float32, "cpu")
     return cache
 
@@ -167,12 +167,12 @@ def test_page_summaries_are_exact_after_writes_copies_and_compaction():
 
 # -- quest in the engine --------------------------------------------------------------------
 def test_quest_conforms():  # rocketkv evicts, so it runs with the compressing built-ins (tests/test_policies.py)
-    check_policy("quest", {"budget": 32}, "random:llama-tiny")
+    check_policy("quest", {"budget": 32, "dense_layers": 1}, "random:llama-tiny")  # 2 layers: 1 sparse
 
 
 @pytest.mark.heavy  # ~75 s on the shared machine
 def test_sparse_policies_conform_on_tiny_gemma3_with_sliding_layers():
-    check_policy("quest", {"budget": 32}, "random:gemma3-tiny", checks=("budget", "memory", "no_op"))
+    check_policy("quest", {"budget": 32, "dense_layers": 0}, "random:gemma3-tiny", checks=("budget", "memory", "no_op"))
     check_policy("rocketkv", {"budget": 64, "window_size": 8, "kernel_size": 5}, "random:gemma3-tiny",
                  checks=("budget", "memory", "no_op"))
 
@@ -182,6 +182,14 @@ def test_sparse_policies_conform_on_tiny_gemma3_with_sliding_layers():
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_quest_conforms_on_real_models(fresh_model, model):
     check_policy("quest", {"budget": 32}, model, loaded=fresh_model(model), kv_cache_memory="64MiB", max_tokens=4)
+
+
+def test_quest_leaves_its_dense_layers_dense():
+    step = SparseStep(make_cache(3 * BS).sparse_read, decode=[True])
+    step.reader.policy.dense_layers = 1
+    plan = plan_paged_attention([0, 1], [40], [list(range(10))], BS, None, "cpu", null_block=step.reader.summaries.null_page)
+    q = torch.randn(1, HKV * G, D)
+    assert step.plan(0, q, plan, SCALE) is plan and step.plan(1, q, plan, SCALE).seq_lens == (2 * BS + BS,)
 
 
 def test_quest_frees_nothing_and_selects_what_its_bound_says(monkeypatch):
@@ -205,7 +213,7 @@ def test_quest_frees_nothing_and_selects_what_its_bound_says(monkeypatch):
         return reduced
 
     monkeypatch.setattr(SparseStep, "plan", checking)
-    quest = LLM("random:llama-tiny", policy="quest", policy_args={"budget": 32}, block_size=16)
+    quest = LLM("random:llama-tiny", policy="quest", policy_args={"budget": 32, "dense_layers": 0}, block_size=16)
     full = LLM("random:llama-tiny", block_size=16)
     used = []
     for llm in (quest, full):
@@ -279,6 +287,7 @@ def test_rocketkv_channel_rule_and_scores():
     ("quest", {}, "quest needs a budget"),
     ("quest", {"compression_ratio": 0.5}, "compression_ratio is not supported"),
     ("quest", {"budget": 16}, r"budget must be >= 2 \* block_size = 32"),
+    ("quest", {"budget": 64, "dense_layers": -1}, "dense_layers must be an integer >= 0"),
     ("rocketkv", {"budget": 0}, "budget must be an integer >= 1"),
     ("rocketkv", {"budget": 16}, r"budget must be >= 2 \* block_size = 32"),
     ("rocketkv", {"budget": 64, "when": "decode"}, "rocketkv evicts once, at the end of prefill"),
