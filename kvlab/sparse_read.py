@@ -109,6 +109,10 @@ class PageSummaries:
         """Compaction moved token slots src -> dst: their destination pages must be recomputed."""
         self.stale.update(d // self.block_size for _, d in moves)
 
+    def moved_to(self, dst: torch.Tensor) -> None:
+        """Per-head compaction wrote slots `dst` [m]: their pages must be recomputed."""
+        self.stale.update((dst // self.block_size).unique().tolist())
+
     def refresh(self, pages: list[int], counts: list[int], k_pool: list[torch.Tensor],
                 k_scales: list[torch.Tensor | None]) -> None:
         """Recompute `pages` from the pool, each over its first `counts` tokens, in every layer slot."""
@@ -157,6 +161,9 @@ class SparseRead:
 
     def moved(self, moves: list[tuple[int, int]]) -> None:
         self.summaries.moved(moves)
+
+    def moved_to(self, dst: torch.Tensor) -> None:
+        self.summaries.moved_to(dst)
 
     # -- once per step -----------------------------------------------------------
     def begin_step(self, seqs: list, num_new_tokens: list[int], plans: list[AttentionPlan]) -> SparseStep | None:

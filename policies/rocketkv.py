@@ -42,9 +42,9 @@ class RocketKV(SparseReadPolicy, Policy):
     - one page set per sequence and layer, shared by its KV heads (the paper selects per KV head):
       the approximate attention is averaged over all query heads of the layer;
     - the top-k is over pages, not tokens, and the page holding the newest token is always read;
-    - SnapKV++'s GQA-summed, max-pooled votes and adaptive pooling size are replaced by kvlab's
-      `snapkv` (votes averaged over heads and window, average pooling of `kernel_size`), and the kept
-      set is shared by the KV heads of a layer;
+    - SnapKV++'s max-pooled votes with an adaptive pooling size are replaced by kvlab's `snapkv`
+      (average pooling of a fixed `kernel_size`); each KV head keeps its own tokens (`per_head`, the
+      default) as SnapKV++ does;
     - the prompt budget does not reserve room for the tokens still to be generated;
     - eviction runs once, at the end of prefill (`when` must be "prefill"); the multi-turn variant
       (RocketKV-MT) is not built.
