@@ -19,6 +19,7 @@ from kvlab.attention_plan import AttentionPlan, plan_paged_attention
 from kvlab.block_manager import BlockManager
 from kvlab.kernels import ops
 from kvlab.kv_cache import KVCache
+from kvlab.sparse_read import SparseStep
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
 
@@ -32,6 +33,7 @@ class StepMetadata:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, Hq, D], filled by the layers
     collect_stats: bool = False  # the cache policy accumulates attention statistics (H2O)
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
+    sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
 
 
 def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
@@ -53,7 +55,8 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
         mappings.append(slot_mapping(tables, seq_of, index, bm.block_size).to(device))
         plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
                                           tree_mask=tree_mask, null_block=cache.null_page))
-    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans)
+    sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
+    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse)
 
 
 def slot_mapping(tables: list[list[int]], seq_of: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -92,7 +95,8 @@ def paged_attention_forward(
     for group, head in entries:
         meta.cache.store(layer, key, value, meta.slot_mapping[group], head)
         qh = q if head is None else q.unflatten(1, (key.shape[1], -1))[:, head]  # [T, Hq or g, D]
-        out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,
+        plan = meta.plans[group] if meta.sparse is None else meta.sparse.plan(layer, qh, meta.plans[group], scaling)
+        out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), plan, scaling,
                                       softcap, *meta.cache.head_scales(layer, head),
                                       return_stats=meta.collect_stats)  # [T, Hq or g, D]
         if meta.collect_stats:  # attention mass each cached key received from this step's queries

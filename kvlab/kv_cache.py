@@ -52,6 +52,8 @@ class KVCache:
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
         self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.groups_of}
         self._calibrated: set[int] = set()
+        self.sparse_read = None  # kvlab.sparse_read.SparseRead, set by the engine for a policy that reads
+        # selected pages at decode: it keeps page key summaries from every store, copy and move
 
     def k(self, layer: int) -> torch.Tensor:
         """[num_pages + 1, block_size, Hkv, D] keys of `layer` (pages of other groups in it are not its own)."""
@@ -72,6 +74,8 @@ class KVCache:
         if head is not None:
             key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
         ops.store_kv(key, value, self.k(layer), self.v(layer), slot_mapping, k_scale, v_scale)
+        if self.sparse_read is not None:
+            self.sparse_read.stored(layer, key, slot_mapping)
 
     def head_scales(self, layer: int, head: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(k_scale, v_scale) of `layer` ([Hkv], or [1] for one KV head), or (None, None) unscaled."""
@@ -83,10 +87,14 @@ class KVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst, in every layer slot."""
         self._apply(ops.copy_blocks, pairs)
+        if self.sparse_read is not None:
+            self.sparse_read.copied(pairs)
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
         """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
         self._apply(ops.compact_slots, moves)
+        if self.sparse_read is not None:
+            self.sparse_read.moved(moves)
 
     def move_head_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per-head compaction: KV head h's K/V at slots src[h] ([Hkv, m]) -> slots dst ([m]), all reads
@@ -95,6 +103,8 @@ class KVCache:
         for pool in (*self._k, *self._v):
             flat = pool.view(-1, *pool.shape[2:])  # [slots, Hkv, D]
             flat[dst[None, :], heads] = flat[src, heads]  # [Hkv, m, D]
+        if self.sparse_read is not None:
+            self.sparse_read.moved_to(dst)
 
     def _apply(self, op, pairs: list[tuple[int, int]]) -> None:
         """op(k, v, src [N], dst [N]) on every layer slot's pool tensors."""

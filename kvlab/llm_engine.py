@@ -34,6 +34,7 @@ from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
+from kvlab.sparse_read import SparseRead, SparseReadPolicy, check_engine
 
 
 def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
@@ -76,6 +77,7 @@ class LLMEngine:
         allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        check_engine(self.policy, config)
         if self.policy.compresses and type(allocator).compact is Allocator.compact:
             raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
                              f"cannot do (it has no compact()); use allocator 'paged' or 'contiguous'")
@@ -129,6 +131,9 @@ class LLMEngine:
                                           config.max_num_batched_tokens, prefix_cache, config.prefix_match)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device)
+        if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
+            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
+                                                dtype, config.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
@@ -435,6 +440,8 @@ class LLMEngine:
                            prefix_hit_tokens=st.hit_tokens, prefix_queried_tokens=st.queried_tokens,
                            prefix_pages_saved=st.hit_pages, prefix_evictions=st.evictions,
                            prefix_cached_free_pages=pc.num_parked)
+        if self.cache.sparse_read is not None:
+            summary.update(self.cache.sparse_read.stats())
         return summary
 
     def reset_stats(self) -> None:
@@ -444,3 +451,5 @@ class LLMEngine:
             self.block_manager.prefix_cache.stats = PrefixStats()
         if self.compressor:
             self.compressor.reset_stats()
+        if self.cache.sparse_read is not None:
+            self.cache.sparse_read.reset_stats()

@@ -15,6 +15,14 @@ Each check raises AssertionError naming what failed:
 - batch: a request gives the same tokens alone and in a batch of requests of other lengths;
 - block sizes: the same tokens with pages of 1 and 16 tokens;
 - no-op: with a budget covering the whole sequence the output equals the full cache's.
+
+Policies that read selected pages at decode (kvlab.sparse_read.SparseReadPolicy: quest, rocketkv)
+are checked differently where their nature requires it, and only there:
+- budget: also, no decode read covers more slots than the pages the policy reads per step;
+- memory: a policy that evicts nothing (quest) holds exactly the full cache's pages: nothing is
+  freed, and the check is that nothing is lost either;
+- block sizes: the pages *are* the unit of selection, so pages of 1 and 16 tokens select different
+  tokens; the check is that both run and read within the budget, not that their tokens agree.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from kvlab.llm import LLM
 from kvlab.models import LoadedModel
 from kvlab.sampling_params import SamplingParams
+from kvlab.sparse_read import SparseReadPolicy
 
 CHECKS = ("budget", "memory", "determinism", "batch", "block_sizes", "no_op")
 
@@ -59,8 +68,12 @@ def check_policy(name: str, policy_args: dict, model: str = "random:llama-tiny",
         alone = [llm.generate([p], params)[0].token_ids for p in batch]
         assert alone == outs, f"{name}: a request's tokens depend on the other requests in its batch"
     if "block_sizes" in checks:
-        small = [o.token_ids for o in make(block_size=1).generate(batch, params)]
-        assert small == outs, f"{name}: pages of 1 and 16 tokens gave different tokens"
+        small_llm = make(block_size=1)
+        small = [o.token_ids for o in small_llm.generate(batch, params)]
+        if isinstance(llm.engine.policy, SparseReadPolicy):  # pages are the unit of selection
+            _check_reads(small_llm)
+        else:
+            assert small == outs, f"{name}: pages of 1 and 16 tokens gave different tokens"
     if "no_op" in checks:
         covering = {k: v for k, v in policy_args.items() if k not in ("budget", "compression_ratio")}
         big = make(args={**covering, "budget": 10_000}).generate(batch, params)
@@ -91,15 +104,27 @@ def _check_held(llm: LLM, prompt: list[int], checks) -> None:
         if "memory" in checks:
             assert len(pages) == -(-n // bm.block_size), (
                 f"{engine.config.policy}: layer {group.layers[0]} holds {len(pages)} pages for {n} tokens")
-    if "budget" in checks:  # with a table per KV head (per-head budgets) the heads share the layer's budget
+    if "budget" in checks and policy.compresses:  # a sparse reader that evicts nothing: see _check_reads
+        # with a table per KV head (per-head budgets) the heads share the layer's budget
         for layer, lens in per_layer.items():
             want = policy.layer_budget(layer, num_layers, len(prompt))
             assert sum(lens) <= want * len(lens), (
                 f"{engine.config.policy}: layer {layer} holds {lens} tokens, budget {want} per table")
     if "memory" in checks:
         full_pages = len(bm.full_groups) * -(-len(prompt) // bm.block_size)
-        assert bm.num_used_blocks() == held and held_full < full_pages, (
+        freed = held_full == full_pages if not policy.compresses else held_full < full_pages  # sparse reading
+        assert bm.num_used_blocks() == held and freed, (
             f"{engine.config.policy}: {held_full} pages held by full-attention layers, full cache {full_pages}")
     while engine.has_unfinished():
         engine.step()
     assert bm.allocator.num_free_blocks == bm.num_blocks
+    if "budget" in checks and isinstance(policy, SparseReadPolicy):
+        _check_reads(llm)
+
+
+def _check_reads(llm: LLM) -> None:
+    """A sparse-reading policy read something at decode, and never more than its pages per step."""
+    reader = llm.engine.cache.sparse_read
+    most = reader.pages * llm.engine.block_manager.block_size
+    assert 0 < reader.max_tokens_read <= most, (
+        f"{llm.engine.config.policy}: a decode step read {reader.max_tokens_read} slots, budget {most}")

@@ -55,6 +55,9 @@ def plan_parts(plan: AttentionPlan) -> list[_Part]:
 
 def _build_parts(plan: AttentionPlan) -> list[_Part]:
     tables = plan.block_tables
+    if isinstance(tables, torch.Tensor) and plan.sliding_window is None and plan.tree_mask is None \
+            and all(n == 1 for n in plan.q_lens):  # decode rows over a device table (sparse reading)
+        return [_decode_part(plan)]
     if isinstance(tables, torch.Tensor):
         tables = tables.tolist()
     tree = None if plan.tree_mask is None else plan.tree_mask.bool().cpu()
@@ -67,6 +70,33 @@ def _build_parts(plan: AttentionPlan) -> list[_Part]:
                    plan.sliding_window, tree, plan.device, plan.null_block)
         for rows in groups
     ]
+
+
+def _decode_part(plan: AttentionPlan) -> _Part:
+    """One part of decode rows, built with tensor ops from a device table (no per-row Python)."""
+    bs, dev, B = plan.block_size, plan.device, plan.batch_size
+    pad = 0 if plan.null_block is None else plan.null_block
+    nb_max = max(-(-n // bs) for n in plan.seq_lens)
+    table = plan.block_tables.to(device=dev, dtype=torch.int64).reshape(B, -1)[:, :nb_max]  # [B, NB]
+    released = table == NULL_BLOCK
+    lens = torch.tensor(plan.seq_lens, dtype=torch.int64, device=dev)  # [B]
+    j = torch.arange(nb_max * bs, device=dev)  # [L]
+    visible = (j[None, :] < lens[:, None]) & ~released.repeat_interleave(bs, dim=1)  # [B, L]
+    q_index = torch.tensor(plan.cu_seqlens_q[:-1], dtype=torch.int64, device=dev)[:, None]  # [B, 1]
+    unmasked = B == 1 and not bool(released.any())  # batch-1 decode: SDPA without a mask
+    return _Part(
+        unmasked_len=plan.seq_lens[0] if unmasked else None,
+        valid_rows=torch.arange(B, device=dev),
+        valid_tokens=q_index.view(-1),
+        q_index=q_index,
+        q_valid=torch.ones(B, 1, dtype=torch.bool, device=dev),
+        blocks=table.masked_fill(released, pad),
+        mask=visible[:, None, None, :],
+        key_index=torch.where(visible, j[None, :], -1),
+        seq_rows=list(range(B)),
+        q_local=torch.zeros(B, 1, dtype=torch.int64, device=dev),
+        q_lens=torch.ones(B, dtype=torch.int64, device=dev),
+    )
 
 
 def _buckets(rows: list[int], seq_lens: list[int], slack: float = 0.25, min_rows: int = 8) -> list[list[int]]:

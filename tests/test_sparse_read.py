@@ -1,0 +1,305 @@
+"""Sparse reading at decode (kvlab.sparse_read) and the two policies built on it, quest and rocketkv.
+
+The seam is checked against references computed here from the raw keys (no page summaries, no
+reduced plans): Quest's page selection by its upper bound and a dense attention masked to the
+selected pages. The Triton path runs the same reduced plans under TRITON_INTERPRET=1 on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is imported
+
+import pytest  # noqa: E402
+
+from kvlab import LLM, SamplingParams  # noqa: E402
+from kvlab.attention_plan import NULL_BLOCK, plan_paged_attention  # noqa: E402
+from kvlab.block_manager import equal_groups  # noqa: E402
+from kvlab.kernels import ops  # noqa: E402
+from kvlab.kv_cache import KVCache  # noqa: E402
+from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
+from kvlab.sparse_read import SparseRead, SparseStep, check_engine  # noqa: E402
+from kvlab.testing import check_policy  # noqa: E402
+
+HKV, G, D, BS = 2, 2, 16, 4
+SCALE = D ** -0.5
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+# -- references, from the raw keys ---------------------------------------------------
+def quest_reference_pages(q, keys, budget_pages, bs=BS, scale=SCALE):
+    """q [Hq, D], keys [n, Hkv, D] -> the set of page indices Quest reads (sink and newest forced):
+    per head, the softmax over pages of scale * max-bound + log(count), summed over heads."""
+    n, hkv = keys.shape[:2]
+    g = q.shape[0] // hkv
+    nb = -(-n // bs)
+    mass = torch.zeros(nb)
+    for h in range(q.shape[0]):
+        bounds = []
+        for p in range(nb):
+            k = keys[p * bs : min(n, (p + 1) * bs), h // g].float()  # [count, D]
+            lo, hi = k.min(dim=0).values, k.max(dim=0).values
+            bounds.append(float(torch.maximum(q[h] * lo, q[h] * hi).sum()) * scale + math.log(k.shape[0]))
+        mass += torch.tensor(bounds).softmax(dim=0)
+    mass[0] = mass[nb - 1] = math.inf
+    return set(mass.topk(budget_pages).indices.tolist())
+
+
+def masked_attention(q, keys, values, visible):
+    """q [Hq, D], keys/values [n, Hkv, D], visible [n] bool -> [Hq, D] attention over the visible keys."""
+    out = torch.empty(HKV * G, D)
+    for h in range(HKV * G):
+        k, v = keys[visible, h // G], values[visible, h // G]
+        out[h] = (q[h] @ k.T * SCALE).softmax(dim=0) @ v
+    return out
+
+
+# -- the seam, on a hand-built pool -----------------------------------------------------
+def make_cache(budget: int):
+    groups = equal_groups([None, None])  # one group of 2 layers
+    cache = KVCache(groups, 64, BS, HKV, D, QUANT_FORMATS.build("fp32"), torch.float32, "cpu")
+    policy = POLICIES.build("quest", budget=budget, dense_layers=0)
+    cache.sparse_read = SparseRead(policy, cache, BS, HKV, D, torch.float32, "cpu")
+    return cache
+
+
+def write(cache, layer, table, keys, values, start=0, chunk=5):
+    """Write tokens start.. of one sequence through `store`, in chunks (summaries built incrementally)."""
+    for a in range(start, keys.shape[0], chunk):
+        idx = torch.arange(a, min(a + chunk, keys.shape[0]))
+        slots = torch.tensor([table[i // BS] * BS + i % BS for i in idx.tolist()])
+        cache.store(layer, keys[idx], values[idx], slots)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_extend", [True, False])
+def test_sparse_read_equals_attention_masked_to_the_pages_quest_selects(backend, with_extend):
+    """Rows: a long decode (reduced to 3 of 6 pages), a short decode with a released page (fits:
+    dense), an extend (dense) and a decode whose table has a released page (every live page fits the
+    budget: equals dense).
+    Without the extend row the plan is decode-only (the torch path's tensor-built part)."""
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache(budget=3 * BS)
+    # pages previously used by something else: stale content that a write at offset 0 must reset
+    cache.store(1, torch.randn(64 * BS, HKV, D, generator=g) * 9, torch.zeros(64 * BS, HKV, D),
+                torch.arange(64 * BS))
+    lens, q_lens = [23, 9, 14, 15], [1, 1, 5, 1]
+    perm = torch.randperm(64, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at : at + -(-n // BS)])
+        at += len(tables[-1])
+    released = {1: 1, 3: 1}  # row -> its released page (cache indices 4..7 are never read)
+    for b, j in released.items():
+        tables[b][j] = NULL_BLOCK
+    keys = [torch.randn(n, HKV, D, generator=g) for n in lens]
+    values = [torch.randn(n, HKV, D, generator=g) for n in lens]
+    for b in range(4):
+        if b in released:  # write around the released page
+            live = [p for p in tables[b] if p != NULL_BLOCK]
+            write(cache, 1, tables[b], keys[b][:4], values[b][:4])
+            write(cache, 1, [live[0], 0] + live[1:], keys[b], values[b], start=8)
+        else:
+            write(cache, 1, tables[b], keys[b], values[b])
+    rows = [0, 1, 2, 3] if with_extend else [0, 1, 3]
+    cu = [0]
+    for b in rows:
+        cu.append(cu[-1] + q_lens[b])
+    q = torch.randn(cu[-1], HKV * G, D, generator=g)
+    plan = plan_paged_attention(cu, [lens[b] for b in rows], [tables[b] for b in rows], BS, None, "cpu",
+                                null_block=cache.null_page)
+    step = SparseStep(cache.sparse_read, decode=[q_lens[b] == 1 for b in rows])
+    reduced = step.plan(1, q, plan, SCALE)
+    assert reduced.seq_lens == tuple({0: 2 * BS + 3, 3: 2 * BS + 3}.get(b, lens[b]) for b in rows)  # newest last
+    with ops.backend(backend):
+        got = ops.run_paged_attention(q, cache.k(1), cache.v(1), reduced, SCALE)
+        dense = ops.run_paged_attention(q, cache.k(1), cache.v(1), plan, SCALE)
+    tol = dict(atol=2e-5, rtol=1e-5)
+    pages = quest_reference_pages(q[0], keys[0], 3)  # row 0: exactly the pages Quest's bound selects
+    assert set(step.selected[1][0].tolist()) == pages and {0, 5} <= pages
+    for r, b in enumerate(rows):
+        for i in range(q_lens[b]):
+            t = cu[r] + i
+            pos = lens[b] - q_lens[b] + i  # causal: the query sees cache indices <= pos
+            visible = torch.arange(lens[b]) <= pos
+            if b == 0:
+                visible &= torch.tensor([j // BS in pages for j in range(lens[b])])
+            if b in released:
+                visible &= ~((torch.arange(lens[b]) >= 4) & (torch.arange(lens[b]) < 8))
+            torch.testing.assert_close(got[t], masked_attention(q[t], keys[b], values[b], visible), **tol)
+            if b != 0:  # rows that fit, or do not decode, read everything: the dense output
+                torch.testing.assert_close(got[t], dense[t], **tol)
+    assert not torch.allclose(got[0], dense[0], atol=1e-3)  # the dropped pages mattered
+
+
+def test_page_summaries_are_exact_after_writes_copies_and_compaction():
+    g = torch.Generator().manual_seed(1)
+    cache = make_cache(budget=2 * BS)
+    s = cache.sparse_read.summaries
+    keys = torch.randn(10, HKV, D, generator=g)
+    write(cache, 0, [7, 3, 9], keys, keys, chunk=3)
+    for j, p in enumerate([7, 3, 9]):
+        torch.testing.assert_close(s.kmin(0)[p], keys[j * BS : (j + 1) * BS].min(dim=0).values)
+        torch.testing.assert_close(s.kmax(0)[p], keys[j * BS : (j + 1) * BS].max(dim=0).values)
+    cache.copy_blocks([(9, 11)])  # copy-on-write
+    torch.testing.assert_close(s.kmax(0)[11], keys[8:10].max(dim=0).values)
+    assert not s.bounds[0][s.null_page].any()  # the null page reads as zero
+    # compaction keeps cache indices 0, 5, 6, 9 -> 0..3 (all in page 7); the page is refreshed before the next step
+    cache.move_slots([(3 * BS + 1, 7 * BS + 1), (3 * BS + 2, 7 * BS + 2), (9 * BS + 1, 7 * BS + 3)])
+    assert s.stale == {7}
+    plan = plan_paged_attention([0, 1], [5], [[7, 3]], BS, None, "cpu")  # one token written this step at index 4
+    cache.sparse_read.begin_step([], [], [plan])
+    kept = keys[[0, 5, 6, 9]]
+    torch.testing.assert_close(s.kmin(0)[7], kept.min(dim=0).values)
+    torch.testing.assert_close(s.kmax(0)[7], kept.max(dim=0).values)
+    assert not s.stale
+
+
+# -- quest in the engine --------------------------------------------------------------------
+def test_quest_conforms():  # rocketkv evicts, so it runs with the compressing built-ins (tests/test_policies.py)
+    check_policy("quest", {"budget": 32, "dense_layers": 1}, "random:llama-tiny")  # 2 layers: 1 sparse
+
+
+@pytest.mark.heavy  # ~75 s on the shared machine
+def test_sparse_policies_conform_on_tiny_gemma3_with_sliding_layers():
+    check_policy("quest", {"budget": 32, "dense_layers": 0}, "random:gemma3-tiny", checks=("budget", "memory", "no_op"))
+    check_policy("rocketkv", {"budget": 64, "window_size": 8, "kernel_size": 5}, "random:gemma3-tiny",
+                 checks=("budget", "memory", "no_op"))
+
+
+@pytest.mark.heavy
+@pytest.mark.model
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_quest_conforms_on_real_models(fresh_model, model):
+    check_policy("quest", {"budget": 32}, model, loaded=fresh_model(model), kv_cache_memory="64MiB", max_tokens=4)
+
+
+def test_quest_leaves_its_dense_layers_dense():
+    step = SparseStep(make_cache(3 * BS).sparse_read, decode=[True])
+    step.reader.policy.dense_layers = 1
+    plan = plan_paged_attention([0, 1], [40], [list(range(10))], BS, None, "cpu", null_block=step.reader.summaries.null_page)
+    q = torch.randn(1, HKV * G, D)
+    assert step.plan(0, q, plan, SCALE) is plan and step.plan(1, q, plan, SCALE).seq_lens == (2 * BS + BS,)
+
+
+def test_quest_frees_nothing_and_selects_what_its_bound_says(monkeypatch):
+    """The pool holds exactly the full cache's pages at every step; every reduced read keeps the sink,
+    the newest page and the pages Quest's bound ranks highest, recomputed here from the cached keys."""
+    prompt = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    checked = []
+    original = SparseStep.plan
+
+    def checking(self, layer, q, plan, scale):
+        reduced = original(self, layer, q, plan, scale)
+        cache = self.reader.cache
+        for i, b in enumerate(self.rows(plan).rows):
+            n, table = plan.seq_lens[b], plan.block_tables[b]
+            slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(n)])
+            keys = cache.k(layer).view(-1, *cache.k(layer).shape[2:])[slots]  # [n, Hkv, D] as cached
+            want = quest_reference_pages(q[plan.cu_seqlens_q[b]], keys, self.reader.pages, 16, scale)
+            assert set(self.selected[layer][i].tolist()) == want
+            assert reduced.seq_lens[b] < n
+            checked.append(layer)
+        return reduced
+
+    monkeypatch.setattr(SparseStep, "plan", checking)
+    quest = LLM("random:llama-tiny", policy="quest", policy_args={"budget": 32, "dense_layers": 0}, block_size=16)
+    full = LLM("random:llama-tiny", block_size=16)
+    used = []
+    for llm in (quest, full):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        steps = []
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps.append(llm.engine.block_manager.num_used_blocks())
+        used.append(steps)
+    assert used[0] == used[1]
+    assert len(checked) == 4 * 2  # 4 decode steps x 2 layers
+    stats = quest.engine.stats()
+    assert 0 < stats["sparse_tokens_read"] < stats["sparse_tokens_cached"]
+
+
+# -- rocketkv in the engine -------------------------------------------------------------------
+def test_rocketkv_evicts_like_snapkv_then_reads_a_subset():
+    prompt = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    args = {"budget": 64, "window_size": 8, "kernel_size": 5}
+    rocket = LLM("random:llama-tiny", policy="rocketkv", policy_args=args, block_size=16)
+    kept = rocket.engine.policy.layer_budget(0, 2, 200)
+    assert 32 < kept < 200
+    snap = LLM("random:llama-tiny", policy="snapkv", policy_args={"budget": kept, "window_size": 8, "kernel_size": 5},
+               block_size=16)
+    held = []
+    for llm in (rocket, snap):
+        engine = llm.engine
+        engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        seq = engine.scheduler.waiting[0]
+        while seq.num_computed_tokens < len(prompt):
+            engine.step()
+        bm = engine.block_manager
+        held.append([engine.compressor.gather(seq, g, bm.groups[g].layers[0])[0] for g in range(len(bm.groups))])
+        assert bm.num_used_blocks() == 2 * -(-kept // 16) < 2 * -(-200 // 16)  # pages freed at prefill
+        engine.step()  # the first decode step
+        if llm is rocket:  # pages the compaction rewrote were recomputed from the compacted keys
+            s = engine.cache.sparse_read.summaries
+            for g in range(len(bm.groups)):
+                keys = engine.compressor.gather(seq, g, bm.groups[g].layers[0])[0]  # [kept + 1, Hkv, D]
+                for j, page in enumerate(bm.block_tables([seq], g)[0]):
+                    torch.testing.assert_close(s.kmin(0)[page], keys[j * 16 : (j + 1) * 16].min(dim=0).values)
+                    torch.testing.assert_close(s.kmax(0)[page], keys[j * 16 : (j + 1) * 16].max(dim=0).values)
+        while engine.has_unfinished():
+            engine.step()
+    for a, b in zip(*held):
+        assert torch.equal(a, b)  # stage 1 kept what snapkv keeps
+    stats = rocket.engine.stats()
+    assert 0 < stats["sparse_tokens_read"] < stats["sparse_tokens_cached"]
+    assert rocket.engine.cache.sparse_read.max_tokens_read <= 2 * 16  # budget 64: 32 tokens, 2 pages
+
+
+def test_rocketkv_channel_rule_and_scores():
+    """channels=None reads ceil(D * bs * (budget // 2) / n) channels per KV head (at most D); a page
+    whose bound is far larger on the chosen channels ranks first."""
+    policy = POLICIES.build("rocketkv", budget=16)
+    q = torch.tensor([0.1, 0.2, 1.0, 0.3, 0.05, 0.4, 0.15, 0.25]).expand(1, 4, 8)  # channel 2 first, then 5, 3, 7
+    counts = torch.tensor([[16] * 20 + [4]])  # 324 tokens
+    mask = policy._channel_mask(q.reshape(1, 2, 2, 8), counts)
+    assert mask[0, 0].nonzero().view(-1).tolist() == [2, 3, 5, 7] and mask[0, 1].equal(mask[0, 0])  # 4 channels
+    assert POLICIES.build("rocketkv", budget=64)._channel_mask(q.reshape(1, 2, 2, 8), counts).all()  # 13 -> D
+    bounds = torch.zeros(1, 21, 2, 16)  # [max | -min]
+    bounds[0, 7, :, 2] = 5.0  # page 7's keys reach 5 along channel 2
+    bounds[0, 3, :, 8 + 2] = 5.0  # page 3's reach -5: the sign of q picks the max, so it does not count
+    scores = policy.page_scores(0, q, bounds, counts, 8 ** -0.5)
+    assert scores.argmax().item() == 7 and scores[0, 3] == scores[0, 0]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, args, message", [
+    ("quest", {"budget": 0}, "budget must be an integer >= 1"),
+    ("quest", {}, "quest needs a budget"),
+    ("quest", {"compression_ratio": 0.5}, "compression_ratio is not supported"),
+    ("quest", {"budget": 16}, r"budget must be >= 2 \* block_size = 32"),
+    ("quest", {"budget": 64, "dense_layers": -1}, "dense_layers must be an integer >= 0"),
+    ("rocketkv", {"budget": 0}, "budget must be an integer >= 1"),
+    ("rocketkv", {"budget": 16}, r"budget must be >= 2 \* block_size = 32"),
+    ("rocketkv", {"budget": 64, "when": "decode"}, "rocketkv evicts once, at the end of prefill"),
+    ("rocketkv", {"budget": 64, "prompt_budget": 0}, "prompt_budget must be an integer >= 1"),
+    ("rocketkv", {"compression_ratio": 0.5}, "compression_ratio is not supported"),
+])
+def test_bad_sparse_policy_input_fails_before_the_model_loads(name, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("does-not-exist", policy=name, policy_args=args, block_size=16)
+
+
+def test_sparse_policy_with_speculation_is_refused():
+    config = SimpleNamespace(policy="quest", draft="some-draft", block_size=16)
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        check_engine(POLICIES.build("quest", budget=64), config)
