@@ -72,6 +72,12 @@ def check_device(t: torch.Tensor, device: torch.device, name: str) -> None:
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """-> (num_blocks, block_size, Hkv, D) after checking the pool layout."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor):
+            raise ValueError(
+                f"{name} is a packed cache format's pages ({type(c).__name__}: int8 / int4 / int2); the Triton "
+                f"kernels read element-wise formats only (fp32, bf16, fp16, fp8): use the torch backend "
+                f"(kernel_backend='torch')"
+            )
         if c.dim() != 4:
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(c.shape)}")
         if c.stride(-1) != 1:

@@ -22,7 +22,7 @@ from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
-from kvlab.kv_cache import KVCache, bytes_per_block
+from kvlab.kv_cache import KVCache, bytes_per_block, residual_bytes_per_row, residual_rows_needed
 from kvlab.metrics import Metrics
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
@@ -64,6 +64,27 @@ def as_token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_backend_reads(quant, config: EngineConfig) -> None:
+    """A cache format the chosen kernel backend cannot read is an error before the model loads."""
+    cuda = torch.device(config.device).type == "cuda"
+    backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
+    if backend not in quant.backends:
+        raise ValueError(f"quant={config.quant!r}: the {backend} kernel backend cannot read this cache format "
+                         f"(it is read by: {', '.join(quant.backends)}); set kernel_backend='torch'")
+
+
+def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, bytes) of the full-precision residual area of a format with a residual window: enough
+    for max_num_seqs sequences, at most half the byte budget (beyond it, pages are quantised early)."""
+    if not quant.packed or quant.residual is None:
+        return 0, 0
+    row_bytes = residual_bytes_per_row(groups, config.block_size, num_kv_heads, head_dim, dtype)
+    rows = residual_rows_needed(quant, len(groups), config.block_size, config.max_num_seqs)
+    rows = min(rows, int(config.kv_cache_memory // 2 // row_bytes))
+    return rows, rows * row_bytes
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         load_plugins()
@@ -77,6 +98,7 @@ class LLMEngine:
                 f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
             )
         ops.set_backend(config.kernel_backend)
+        check_backend_reads(self.quant, config)
         dtype = getattr(torch, config.dtype)
         impl = attention.register()
         if loaded is None:
@@ -99,8 +121,10 @@ class LLMEngine:
         groups = layer_groups(mc, per_layer=self.policy.compresses)
         num_kv_heads = mc.num_key_value_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
-        num_blocks = int(config.kv_cache_memory // per_block)
+        residual_rows, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)
+        num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
@@ -111,7 +135,7 @@ class LLMEngine:
                                           num_blocks, config.block_size, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
-                             config.device)
+                             config.device, residual_rows=residual_rows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
