@@ -117,9 +117,24 @@ class KVCache:
             seal = step[1] if step is not None and step[0] is slot_mapping else set()
             plan = plan_write(slot_mapping.long(), self.block_size, self.codecs, self.area, seal, self._busy,
                               [*self._k, *self._v])
+            if seal and self.area is not None:
+                self._seal_untouched(seal, set(plan.pages.tolist()))
             self._plans[g] = plan
             self._step[g] = (slot_mapping, seal)
         return plan
+
+    def _seal_untouched(self, seal: set[int], touched: set[int]) -> None:
+        """Pages that left the window without being written this step: encode them from their rows."""
+        pages = {p: self.area.row(p) for p in seal - touched if self.area.row(p) >= 0}
+        if not pages:
+            return
+        device = self.area.row_of.device
+        pages_t = torch.tensor(list(pages), dtype=torch.int64, device=device)
+        rows_t = torch.tensor(list(pages.values()), dtype=torch.int64, device=device)
+        for store in (*self._k, *self._v):
+            store.seal_rows(pages_t, rows_t)
+        for p in pages:
+            self.area.seal(p)
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] -> their slots in `layer`'s pool."""
