@@ -59,6 +59,11 @@ class PageCodec(ABC):
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """parts [P, ...] -> [P, bs, Hkv, D] in `dtype`."""
 
+    @abstractmethod
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """parts [P, ...] -> [P, bs, Hkv, D] float32 quantisation step of every element
+        (round to nearest: |x - decoded| <= step / 2)."""
+
     def encode_tokens(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [T, Hkv, D] float32 -> parts [T, ...] (token-local codecs: a page part is [bs, ...])."""
         raise NotImplementedError(f"{type(self).__name__} encodes whole pages only")

@@ -36,6 +36,9 @@ class Int8TokenCodec(PageCodec):
         parts = self.encode_tokens(x.reshape(P * bs, hkv, d))
         return {name: t.view(P, bs, *t.shape[1:]) for name, t in parts.items()}
 
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return parts["scale"].float().unsqueeze(-1).expand(parts["data"].shape)
+
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts["data"].float() * parts["scale"].float().unsqueeze(-1)).to(dtype)  # [P, bs, Hkv, D]
 

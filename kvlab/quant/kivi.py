@@ -56,6 +56,10 @@ class KeyCodec(PageCodec):
             + parts["zero"].float()[:, :, None]
         return x.view(P, bs, hkv, d).to(dtype)
 
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        scale = parts["scale"].float()  # [P, bs / G, Hkv, D]
+        return scale.repeat_interleave(self.group_size, dim=1)
+
 
 @dataclass
 class ValueCodec(PageCodec):
@@ -86,6 +90,9 @@ class ValueCodec(PageCodec):
         G = self.group_size
         x = codes.view(*lead, d // G, G).float() * parts["scale"].float()[..., None] + parts["zero"].float()[..., None]
         return x.view(*lead, d).to(dtype)
+
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return parts["scale"].float().repeat_interleave(self.group_size, dim=-1)  # [..., D]
 
 
 @dataclass

@@ -131,6 +131,16 @@ class PageStore:
         x = self.read_pages(pages, dtype).view(-1, self.num_kv_heads, self.head_dim)
         return x.index_select(0, inv * bs + slots % bs)
 
+    def steps_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [N] int64 -> [N, Hkv, D] float32 quantisation step of each element read there
+        (0 in open pages, which hold the exact values)."""
+        bs = self.block_size
+        pages, inv = torch.unique(slots // bs, return_inverse=True)
+        steps = self.codec.steps({name: t.index_select(0, pages) for name, t in self.parts.items()})
+        if self.area is not None:
+            steps = steps * (self.area.row_of.index_select(0, pages) < 0).float()[:, None, None, None]
+        return steps.reshape(-1, self.num_kv_heads, self.head_dim).index_select(0, inv * bs + slots % bs)
+
     # -- writes ---------------------------------------------------------------
     def write(self, x: torch.Tensor, plan: WritePlan) -> None:
         """x [T, Hkv, D] (compute dtype) -> the slots of `plan`."""

@@ -20,21 +20,8 @@ def make_cache(quant, num_blocks=8, residual_rows=None, block_size=BS, head_dim=
 
 
 def elem_scale(cache: KVCache, side: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """The quantisation step of every element at `slots` [N] -> [N, Hkv, D] float32 (0 for open pages)."""
-    store = (cache.k if side == "k" else cache.v)(layer)
-    page, off = slots // cache.block_size, slots % cache.block_size
-    s = store.parts["scale"].float()
-    if s.dim() == 3:  # int8: [pages, bs, Hkv] per token per head
-        out = s[page, off][..., None].expand(-1, -1, store.head_dim)
-    elif side == "k" and "zero" in store.parts:  # keys per channel over token groups: [pages, bs / G, Hkv, D]
-        G = cache.block_size // s.shape[1]
-        out = s[page, off // G]
-    else:  # values per token over channel groups: [pages, bs, Hkv, D / G]
-        G = store.head_dim // s.shape[-1]
-        out = s[page, off].repeat_interleave(G, dim=-1)
-    if cache.area is not None:
-        out = out * (cache.area.row_of[page] < 0).float()[:, None, None]
-    return out
+    """The quantisation step of every element at `slots` [N] -> [N, Hkv, D] (0 in open pages)."""
+    return (cache.k if side == "k" else cache.v)(layer).steps_at(slots)
 
 
 def write(cache, key, value, slots, seal=None, layers=(0,)):
