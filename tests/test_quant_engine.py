@@ -83,10 +83,16 @@ def test_bad_format_parameters():
 
 
 def test_a_backend_that_cannot_read_the_format_fails_before_the_model_loads(monkeypatch):
+    """Every built-in format is read by both backends; a format that lists only the torch one is
+    refused on the Triton backend before the model loads."""
+    from kvlab.quant.kivi import Int4
+
+    assert all(set(QUANT_FORMATS.get(n).backends) == {"torch", "triton"} for n in ("int8", "int4", "int2"))
+    monkeypatch.setattr(Int4, "backends", ("torch",))
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    for name in ("int8", "int4", "int2"):
-        with pytest.raises(ValueError, match=rf"quant='{name}': the triton kernel backend cannot read"):
-            LLM(MODEL, quant=name, kernel_backend="triton")
+    with pytest.raises(ValueError, match=r"quant='int4': the triton kernel backend cannot read this cache format "
+                                         r"\(it is read by: torch\); set kernel_backend='torch'"):
+        LLM(MODEL, quant="int4", quant_args={"group_size": 8}, kernel_backend="triton")
 
 
 @pytest.mark.heavy

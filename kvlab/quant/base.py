@@ -48,6 +48,12 @@ class PageCodec(ABC):
     token_local: ClassVar[bool] = False  # True: every token encodes alone (encode_tokens + scatter)
 
     @abstractmethod
+    def layout(self) -> tuple[int, int, int]:
+        """(kind, bits, group) for the Triton reader (kvlab.kernels.triton_kernels.codec.load_packed):
+        kind 0 = symmetric int8, one scale per token per head; 1 = asymmetric, per channel over
+        `group` tokens; 2 = asymmetric, per token over `group` channels."""
+
+    @abstractmethod
     def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
         """The tensors of one page."""
 

@@ -23,6 +23,9 @@ class Int8TokenCodec(PageCodec):
 
     token_local = True
 
+    def layout(self) -> tuple[int, int, int]:
+        return 0, 8, 1
+
     def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
         return {"data": PartSpec((block_size, num_kv_heads, head_dim), torch.int8),
                 "scale": PartSpec((block_size, num_kv_heads), torch.float16)}
@@ -49,7 +52,7 @@ class Int8(QuantFormat):
     """Symmetric int8 keys and values, a float16 scale per token per KV head (no parameters)."""
 
     packed = True
-    backends = ("torch",)  # the Triton kernels read element-wise formats only (kvlab.kernels._checks)
+    backends = ("torch", "triton")  # Triton: fused dequantisation in attention (codec.load_packed)
 
     def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         return torch.int8

@@ -35,6 +35,9 @@ class KeyCodec(PageCodec):
     bits: int
     group_size: int
 
+    def layout(self) -> tuple[int, int, int]:
+        return 1, self.bits, self.group_size
+
     def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
         groups = block_size // self.group_size
         return {"data": PartSpec((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
@@ -69,6 +72,9 @@ class ValueCodec(PageCodec):
     group_size: int
     token_local: ClassVar[bool] = True
 
+    def layout(self) -> tuple[int, int, int]:
+        return 2, self.bits, self.group_size
+
     def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
         groups = head_dim // self.group_size
         return {"data": PartSpec((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
@@ -101,7 +107,7 @@ class KIVI(QuantFormat):
 
     bits: ClassVar[int]
     packed: ClassVar[bool] = True
-    backends: ClassVar[tuple[str, ...]] = ("torch",)  # no fused Triton dequantisation of packed codes yet
+    backends: ClassVar[tuple[str, ...]] = ("torch", "triton")  # Triton: fused dequantisation (codec.load_packed)
     group_size: int = 32  # tokens per key group and channels per value group; divides head_dim and block_size
     residual: int = 32  # newest tokens per sequence kept in full precision (0: only the partly filled page)
 

@@ -193,10 +193,44 @@ def test_reference_attention_reads_packed_pages(name):
     torch.testing.assert_close(out, want)
 
 
-def test_triton_backend_refuses_packed_pages():
+def _filled_cache(name, residual=BS):
+    torch.manual_seed(4)
+    quant = build("quant", name, **({} if name == "int8" else {"residual": residual}))
+    cache = make_cache(quant)
+    lens, tables = [50, 70, 3], [[1, 2], [3, 4, 5], [6]]
+    for table, n in zip(tables, lens):
+        index = torch.arange(n)
+        slots = torch.tensor(table)[index // BS] * BS + index % BS
+        seal = leaving_window([table], [n], [n], quant.residual or 0, BS)
+        x = torch.randn(n, HKV, D)
+        write(cache, x * 2, x.flip(-1), slots, seal)
+    bt = torch.tensor([[1, 2, -1], [3, 4, 5], [6, -1, -1]])
+    return cache, bt, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_triton_attention_dequantises_packed_pages(name):
+    """The Triton kernels (fused dequantisation, residual rows included) against the torch reference,
+    decode and extend rows, with the attention statistics."""
     from kvlab.kernels.paged_attention import paged_attention
 
+    cache, bt, lens = _filled_cache(name)
+    assert name == "int8" or cache.area.open_pages()  # some pages are read from the residual area
+    cu = torch.tensor([0, 1, 4, 5])  # one query, three queries (extend), one query
+    q = torch.randn(5, 4, D)
+    got, stats = paged_attention(q, cache.k(0), cache.v(0), bt, cu, lens, 0.125, return_stats=True)
+    want, want_stats = paged_attention_ref(q, cache.k(0), cache.v(0), bt, cu, lens, 0.125, return_stats=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_store_and_block_kernels_refuse_packed_pages():
+    from kvlab.kernels.block_ops import copy_blocks
+    from kvlab.kernels.store_kv import store_kv
+
     cache = make_cache(build("quant", "int4"))
-    q = torch.randn(1, 2, D)
-    with pytest.raises(ValueError, match="packed cache format.*use the torch backend"):
-        paged_attention(q, cache.k(0), cache.v(0), torch.tensor([[0]]), torch.tensor([0, 1]), torch.tensor([1]), 0.1)
+    x = torch.randn(1, HKV, D)
+    with pytest.raises(ValueError, match="packed cache format.*reads element-wise pools only"):
+        store_kv(x, x, cache.k(0), cache.v(0), torch.tensor([0]))
+    with pytest.raises(ValueError, match="packed cache format"):
+        copy_blocks(cache.k(0), cache.v(0), torch.tensor([0]), torch.tensor([1]))
