@@ -36,6 +36,16 @@ def test_generate_with_each_format(name):
         assert cache.k(0).parts["data"].dtype == torch.uint8
 
 
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_sliding_window_model_with_packed_pages(name):
+    """gemma3-tiny (sliding-window and global layer groups, soft-capped attention) on KIVI pages."""
+    llm = LLM("random:gemma3-tiny", block_size=16, kv_cache_memory="1MiB", max_num_seqs=4, quant=name,
+              quant_args={"group_size": 8, "residual": 8})
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    assert llm.engine.cache.area.early_seals == 0
+
+
 def test_budget_buys_proportionally_more_pages():
     """Same byte budget: pages scale with 1 / bytes per token (the residual area is paid for first)."""
     blocks, per_token, residual = {}, {}, {}
