@@ -4,11 +4,12 @@ Every layer group has the same number of layers (kvlab.block_manager), so the po
 layer *slot within a group*. What a page holds is the format's business (kvlab.quant.base):
 
     element-wise formats (fp32 / bf16 / fp16 / fp8):
-        k[s], v[s]:     [num_pages + 1, block_size, num_kv_heads, head_dim]  (storage dtype)
+        k[s], v[s]:     [num_pages + 1, block_size, heads, head_dim]  (storage dtype; heads = num_kv_heads,
+                        or 1 where every (layer, KV head) has its own table: per-head budgets)
         scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
     packed formats (int8 / int4 / int2): k[s], v[s] are kvlab.quant.page_store.PageStore objects,
         a dict of page parts each [num_pages + 1, *part shape] (codes, scales, zero points), plus
-        rows of the full-precision residual area [rows, block_size, Hkv, D] when the format keeps
+        rows of the full-precision residual area [rows, block_size, heads, D] when the format keeps
         a residual window (which page is open lives in the one `ResidualArea`).
 
 Layer `l` of group `g` at slot `s` reads and writes page `p` at `k[s][p]`; a page belongs to one
@@ -28,18 +29,24 @@ from kvlab.quant.base import QuantFormat
 from kvlab.quant.page_store import PageStore, ResidualArea, WritePlan, plan_write
 
 
+def heads_per_page(groups: list[LayerGroup], num_kv_heads: int) -> int:
+    """KV heads a page holds: all of them, or one where each (layer, KV head) has its own table."""
+    return 1 if groups[0].head is not None else num_kv_heads
+
+
 def bytes_per_block(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
                     quant: QuantFormat, compute_dtype: torch.dtype) -> float:
-    """Bytes one page costs: K and V of `block_size` tokens for every layer of one group, with the
-    format's scales and zero points."""
-    per_token = quant.bytes_per_token(num_kv_heads, head_dim, block_size, compute_dtype)
+    """Bytes one page costs: K and V of `block_size` tokens for every layer (and KV head) of one group,
+    with the format's scales and zero points."""
+    per_token = quant.bytes_per_token(heads_per_page(groups, num_kv_heads), head_dim, block_size, compute_dtype)
     return len(groups[0].layers) * block_size * per_token
 
 
 def residual_bytes_per_row(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
                            compute_dtype: torch.dtype) -> int:
     """Bytes one row of the residual area costs (a page of K and V in full precision, every layer of a group)."""
-    return 2 * len(groups[0].layers) * block_size * num_kv_heads * head_dim * compute_dtype.itemsize
+    heads = heads_per_page(groups, num_kv_heads)
+    return 2 * len(groups[0].layers) * block_size * heads * head_dim * compute_dtype.itemsize
 
 
 def residual_rows_needed(quant: QuantFormat, num_groups: int, block_size: int, max_num_seqs: int) -> int:
@@ -60,26 +67,31 @@ class KVCache:
         self.quant = quant
         self.block_size = block_size
         self.compute_dtype = compute_dtype
-        self.group_of: dict[int, int] = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        # layer -> [(group, KV head or None for all)]: one entry, or one per KV head with per-head tables
+        self.groups_of: dict[int, list[tuple[int, int | None]]] = {}
+        for g, group in enumerate(groups):
+            for layer in group.layers:
+                self.groups_of.setdefault(layer, []).append((g, group.head))
         self.slot_of: dict[int, int] = {layer: s for group in groups for s, layer in enumerate(group.layers)}
         self.null_page = num_blocks
         per_group = len(groups[0].layers)
+        heads = heads_per_page(groups, num_kv_heads)
         self.area: ResidualArea | None = None
         if quant.packed:
             if quant.residual is not None:
                 rows = num_blocks if residual_rows is None else residual_rows
                 self.area = ResidualArea(num_blocks + 1, rows, device)
             self.codecs = quant.codecs()
-            make = lambda codec: PageStore(codec, num_blocks + 1, block_size, num_kv_heads, head_dim,  # noqa: E731
+            make = lambda codec: PageStore(codec, num_blocks + 1, block_size, heads, head_dim,  # noqa: E731
                                            self.area, compute_dtype, device)
             self._k = [make(self.codecs[0]) for _ in range(per_group)]
             self._v = [make(self.codecs[1]) for _ in range(per_group)]
         else:
             dtype = quant.storage_dtype(compute_dtype)
-            shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+            shape = (num_blocks + 1, block_size, heads, head_dim)
             self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
             self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
-        self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.group_of}
+        self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.groups_of}
         self._calibrated: set[int] = set()
         self._step: dict[int, tuple[torch.Tensor, set[int] | None]] = {}  # group -> (slot mapping, pages to seal)
         self._plans: dict[int, WritePlan] = {}
@@ -109,8 +121,8 @@ class KVCache:
             bs = self.block_size
             self._busy = {s // bs for m in slot_mappings for s in m.tolist() if s >= 0}
 
-    def _write_plan(self, layer: int, slot_mapping: torch.Tensor) -> WritePlan:
-        g = self.group_of[layer]
+    def _write_plan(self, layer: int, slot_mapping: torch.Tensor, head: int | None) -> WritePlan:
+        g = next(g for g, h in self.groups_of[layer] if h == head)
         plan = self._plans.get(g)
         step = self._step.get(g)
         if plan is None or step is None or step[0] is not slot_mapping:
@@ -136,19 +148,33 @@ class KVCache:
         for p in pages:
             self.area.seal(p)
 
-    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] -> their slots in `layer`'s pool."""
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              head: int | None = None) -> None:
+        """key/value [T, Hkv, D] -> their slots in `layer`'s pool (`head`: only that KV head's, into pages
+        that hold one head)."""
         if self.quant.packed:
-            plan = self._write_plan(layer, slot_mapping)
+            plan = self._write_plan(layer, slot_mapping, head)
+            if head is not None:
+                key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
             self.k(layer).write(key, plan)
             self.v(layer).write(value, plan)
             return
         scales = self.scales[layer]
         if scales is not None and layer not in self._calibrated:
-            self.quant.calibrate(key, value, scales)
+            self.quant.calibrate(key, value, scales)  # every head's scale, from the layer's first chunk
             self._calibrated.add(layer)
-        k_scale, v_scale = scales if scales is not None else (None, None)
+        k_scale, v_scale = self.head_scales(layer, head)
+        if head is not None:
+            key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
         ops.store_kv(key, value, self.k(layer), self.v(layer), slot_mapping, k_scale, v_scale)
+
+    def head_scales(self, layer: int, head: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) of `layer` ([Hkv], or [1] for one KV head), or (None, None) unscaled
+        (packed formats carry their scales in their pages)."""
+        scales = self.scales[layer]
+        if scales is None:
+            return None, None
+        return scales if head is None else (scales[0][head : head + 1], scales[1][head : head + 1])
 
     # -- reads (policies) ---------------------------------------------------------
     def read_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +238,29 @@ class KVCache:
         for (k, v), (kx, vx) in zip(zip(self._k, self._v), values):
             k.write(kx, plan)
             v.write(vx, plan)
+        if self.area is not None:
+            self.area.end_step()
+
+    def move_head_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per-head compaction: KV head h's K/V at slots src[h] ([Hkv, m]) -> slots dst ([m]), all reads
+        before writes, in every layer slot (released source pages are read before anything reuses them).
+        Packed formats re-quantise the pages written."""
+        heads = torch.arange(src.shape[0], device=src.device)[:, None]  # [Hkv, 1]
+        if not self.quant.packed:
+            for pool in (*self._k, *self._v):
+                flat = pool.view(-1, *pool.shape[2:])  # [slots, Hkv, D]
+                flat[dst[None, :], heads] = flat[src, heads]  # [Hkv, m, D]
+            return
+        if dst.numel() == 0:
+            return
+        dtype = self.compute_dtype
+        values = []
+        for store in (*self._k, *self._v):  # head h's survivors: [m, Hkv, D]
+            per_head = [store.read_slots(src[h], dtype)[:, h] for h in range(src.shape[0])]
+            values.append(torch.stack(per_head, dim=1))
+        plan = plan_write(dst.long(), self.block_size, self.codecs, self.area, None)
+        for store, x in zip((*self._k, *self._v), values):
+            store.write(x, plan)
         if self.area is not None:
             self.area.end_step()
 
