@@ -76,6 +76,21 @@ def test_int4_composes_with_a_compressing_policy():
     assert freed["int4"] == freed["fp32"] > 0
 
 
+@pytest.mark.parametrize("policy,args", [("snapkv", {"budget": 32, "per_head": True}), ("adakv", {"budget": 32})])
+def test_packed_pages_with_per_head_policies(policy, args):
+    """Per-KV-head selection (survivors moved head by head, pages re-quantised) and AdaKV (a table and
+    one-head pages per (layer, KV head)) on int4 pages: same pages freed as on fp32."""
+    prompts = [list(range(1, 100)), list(range(3, 90))]
+    freed = {}
+    for name, qargs in (("fp32", {}), ("int4", {"group_size": 8, "residual": 8})):
+        llm = LLM(MODEL, block_size=16, kv_cache_memory="4MiB", max_num_seqs=4, quant=name, quant_args=qargs,
+                  policy=policy, policy_args=args)
+        out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        assert [len(o.token_ids) for o in out] == [8, 8]
+        freed[name] = llm.stats()["policy_pages_freed"]
+    assert freed["int4"] == freed["fp32"] > 0
+
+
 def test_unknown_format_lists_the_registered_ones(monkeypatch):
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(UnknownPluginError, match="registered .*int2, int4, int8"):
