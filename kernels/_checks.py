@@ -19,6 +19,7 @@ MAX_HEAD_DIM = 256
 
 CODEC_CAST = 0
 CODEC_SCALED = 1
+CODEC_PACKED = 2  # a packed page store (kvlab.quant.page_store), read by load_packed
 
 
 def is_pow2(n: int) -> bool:
@@ -69,8 +70,19 @@ def check_device(t: torch.Tensor, device: torch.device, name: str) -> None:
         raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the cache)")
 
 
-def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """-> (num_blocks, block_size, Hkv, D) after checking the pool layout."""
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, packed_ok: bool = False) -> tuple[int, int, int, int]:
+    """-> (num_blocks, block_size, Hkv, D) after checking the pool layout. With `packed_ok`, either side
+    may be a packed format's kvlab.quant.page_store.PageStore (the attention kernels read those)."""
+    if isinstance(k_cache, torch.Tensor) != isinstance(v_cache, torch.Tensor):
+        raise ValueError("k_cache and v_cache must both be pool tensors or both packed page stores")
+    if not isinstance(k_cache, torch.Tensor):
+        if not packed_ok:
+            raise ValueError(
+                f"k_cache is a packed cache format's pages ({type(k_cache).__name__}: int8 / int4 / int2); this "
+                f"Triton kernel reads element-wise pools only (packed pages are written and copied by the cache "
+                f"itself, kvlab.kv_cache.KVCache)"
+            )
+        return check_packed_pair(k_cache, v_cache)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4:
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(c.shape)}")
@@ -128,3 +140,39 @@ def check_runnable(kernel, device: torch.device) -> None:
             "Triton kernels got CPU tensors but are compiled for a GPU: set TRITON_INTERPRET=1 before "
             "kvlab.kernels.triton_kernels is imported, or use the torch backend (kvlab.kernels.ops.set_backend('torch'))"
         )
+
+
+@dataclass(frozen=True)
+class PackedSide:
+    """Kernel arguments of one side (K or V) of a packed page store (triton_kernels/codec.py load_packed)."""
+
+    data: torch.Tensor  # codes [num_blocks, bs, Hkv, D * bits / 8] (int8: [.., D])
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    residual: torch.Tensor | None  # [rows, bs, Hkv, D]
+    kind: int
+    bits: int
+    group: int
+
+
+def check_packed_pair(k_store, v_store) -> tuple[int, int, int, int]:
+    """Packed page stores: same logical shape and device, contiguous parts, a head_dim the kernels take."""
+    if tuple(k_store.shape) != tuple(v_store.shape):
+        raise ValueError(f"k_cache {tuple(k_store.shape)} and v_cache {tuple(v_store.shape)} must have the same shape")
+    for name, store in (("k_cache", k_store), ("v_cache", v_store)):
+        for part, t in (*store.parts.items(), ("residual", store.residual)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name} part {part} must be contiguous, got strides {t.stride()}")
+        check_device(store.parts["data"], k_store.device, name)
+    num_blocks, block_size, hkv, d = k_store.shape
+    if not is_pow2(block_size):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if not 16 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {d}")
+    return num_blocks, block_size, hkv, d
+
+
+def packed_side(store) -> PackedSide:
+    kind, bits, group = store.codec.layout()
+    return PackedSide(store.parts["data"], store.parts["scale"], store.parts.get("zero"), store.residual,
+                      kind, bits, group)

@@ -137,7 +137,9 @@ def _dot_dtype(q: torch.Tensor):
 
 
 def _check_attention_inputs(q, k_cache, v_cache, plan, k_scale, v_scale, out):
-    _, block_size, hkv, d = C.check_cache_pair(k_cache, v_cache)
+    _, block_size, hkv, d = C.check_cache_pair(k_cache, v_cache, packed_ok=True)
+    if not isinstance(k_cache, torch.Tensor) and (k_scale is not None or v_scale is not None):
+        raise ValueError("packed page stores carry their own scales: pass k_scale=v_scale=None")
     device = k_cache.device
     C.check_tokens(q, "q", None, d, device)
     if q.shape[1] % hkv:
@@ -175,8 +177,8 @@ def run_paged_attention(
     T, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    k_codec = C.codec_for(k_cache, k_scale, "k_cache").id
-    v_codec = C.codec_for(v_cache, v_scale, "v_cache").id
+    k_codec = _codec_id(k_cache, k_scale, "k_cache")
+    v_codec = _codec_id(v_cache, v_scale, "v_cache")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if out is None:
@@ -195,6 +197,34 @@ def run_paged_attention(
         return out
     stats = _launch_stats(q, k_cache, lse, plan, batch, k_scale, scale, softcap, g, k_codec, stats_window, stats_out)
     return out, stats
+
+
+def _codec_id(cache, scale, name: str) -> int:
+    return C.CODEC_PACKED if not isinstance(cache, torch.Tensor) else C.codec_for(cache, scale, name).id
+
+
+@dataclass
+class _Pool:
+    """What a kernel gets for one side of the pool: the tensor it indexes, scale / zero / residual
+    pointers (placeholders when unused) and the packed layout constants."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    residual: torch.Tensor
+    row_of: torch.Tensor
+    consts: dict
+
+
+def _pool(cache, scale, placeholder, side: str) -> _Pool:
+    if isinstance(cache, torch.Tensor):
+        return _Pool(cache, scale if scale is not None else placeholder, placeholder, placeholder, placeholder, {})
+    p = C.packed_side(cache)
+    row_of = cache.area.row_of if cache.area is not None else placeholder
+    consts = {f"{side}_KIND": p.kind, f"{side}_BITS": p.bits, f"{side}_GROUP": p.group,
+              "NUM_KV_HEADS": cache.shape[2], "HAS_RES": p.residual is not None}
+    return _Pool(p.data, p.scale, p.zero if p.zero is not None else placeholder,
+                 p.residual if p.residual is not None else placeholder, row_of, consts)
 
 
 def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decode, k_scale, v_scale, scale,
@@ -218,17 +248,17 @@ def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decod
         l = torch.empty_like(m)
         o_strides = (target.stride(0), target.stride(1), target.stride(2))
         ml_strides = (m.stride(0), m.stride(1))
+    kp, vp = _pool(k_cache, k_scale, placeholder, "K"), _pool(v_cache, v_scale, placeholder, "V")
     paged_attention_kernel[(n_tiles, hkv, splits)](
-        q, k_cache, v_cache, target,
+        q, kp.data, vp.data, target,
         lse if lse is not None else placeholder, m, l,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, tiles.seq, tiles.start,
         tree if tree is not None else placeholder,
-        k_scale if k_scale is not None else placeholder,
-        v_scale if v_scale is not None else placeholder,
+        kp.scale, vp.scale, kp.zero, vp.zero, kp.residual, vp.residual, kp.row_of,
         float(scale), float(softcap or 1.0), int(window or 0),
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kp.data.stride(0), kp.data.stride(1), kp.data.stride(2),
+        vp.data.stride(0), vp.data.stride(1), vp.data.stride(2),
         *o_strides,
         *ml_strides,
         batch.block_tables.stride(0),
@@ -250,6 +280,7 @@ def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decod
         DOT_DTYPE=_dot_dtype(q),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
+        **{**kp.consts, **vp.consts},
     )
     if splits > 1:
         combine_splits_kernel[(tiles.tokens.shape[0], hq)](
@@ -283,15 +314,16 @@ def _launch_stats(q, k_cache, lse, plan, batch, k_scale, scale, softcap, g, k_co
         return stats_out
     cfg = _launch_config(g, d, decode=not batch.extend_rows)
     window, tree, placeholder = plan.sliding_window, batch.tree_mask, batch.seq_lens
+    kp = _pool(k_cache, k_scale, placeholder, "K")
     attention_stats_kernel[(B, hkv, -(-L // cfg["BLOCK_N"]))](
-        q, k_cache, lse, stats_out,
+        q, kp.data, lse, stats_out,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
         tree if tree is not None else placeholder,
-        k_scale if k_scale is not None else placeholder,
+        kp.scale, kp.zero, kp.residual, kp.row_of,
         float(scale), float(softcap or 1.0), int(window or 0),
         int(stats_window if stats_window is not None else T), L,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        kp.data.stride(0), kp.data.stride(1), kp.data.stride(2),
         lse.stride(0), lse.stride(1),
         stats_out.stride(0), stats_out.stride(1),
         batch.block_tables.stride(0),
@@ -310,6 +342,7 @@ def _launch_stats(q, k_cache, lse, plan, batch, k_scale, scale, softcap, g, k_co
         DOT_DTYPE=_dot_dtype(q),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
+        **kp.consts,
     )
     return stats_out
 

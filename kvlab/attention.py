@@ -48,15 +48,31 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
         cu.append(cu[-1] + k)
     seq_of = torch.repeat_interleave(torch.arange(len(seqs)), n)  # [T]
     local = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.int64)[seq_of]  # [T] index within its chunk
-    mappings, plans = [], []
+    mappings, plans, seals = [], [], []
     for g, group in enumerate(bm.groups):
         tables, lens = bm.block_tables(seqs, g), bm.cached_lens(seqs, g)
         index = (torch.tensor(lens, dtype=torch.int64) - n)[seq_of] + local  # [T] cache index of each new token
         mappings.append(slot_mapping(tables, seq_of, index, bm.block_size).to(device))
         plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
                                           tree_mask=tree_mask, null_block=cache.null_page))
+        if cache.residual is not None:
+            seals.append(leaving_window(tables, lens, num_new_tokens, cache.residual, bm.block_size))
+    cache.begin_step(mappings, seals if cache.residual is not None else None)
     sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
     return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse)
+
+
+def leaving_window(tables: list[list[int]], lens: list[int], num_new: list[int], residual: int,
+                   block_size: int) -> set[int]:
+    """Pages whose tokens all became older than the newest `residual` this step (a quantised
+    format's residual window, kvlab.quant.page_store): page j of a table holds cache indices
+    [j * bs, (j + 1) * bs) and leaves once (j + 1) * bs <= len - residual."""
+    pages = set()
+    for table, length, n in zip(tables, lens, num_new):
+        first = max(0, length - n - residual) // block_size
+        last = max(0, length - residual) // block_size
+        pages.update(p for p in table[first:last] if p >= 0)
+    return pages
 
 
 def slot_mapping(tables: list[list[int]], seq_of: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:

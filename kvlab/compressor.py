@@ -24,7 +24,6 @@ import time
 import torch
 
 from kvlab.block_manager import BlockManager
-from kvlab.kernels.reference.store_kv import dequantize_ref
 from kvlab.kv_cache import KVCache
 from kvlab.policies.base import Policy
 from kvlab.sequence import Sequence
@@ -179,11 +178,7 @@ class Compressor:
         """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""
         n = self.bm.cached_lens([seq], group)[0]
         slots = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=self.cache.k(layer).device)
-        k, v = self.cache.k(layer), self.cache.v(layer)
-        k_scale, v_scale = self.cache.scales[layer] or (None, None)
-        k = dequantize_ref(k.view(-1, *k.shape[2:]).index_select(0, slots), k_scale, self.dtype)
-        v = dequantize_ref(v.view(-1, *v.shape[2:]).index_select(0, slots), v_scale, self.dtype)
-        return k, v
+        return self.cache.read_slots(layer, slots, self.dtype)  # dequantised, whatever the format
 
     def forget(self, seq: Sequence) -> None:
         self._decode_steps.pop(seq.seq_id, None)

@@ -1,11 +1,16 @@
 """The KV pool tensors: one shared page pool, plus quantisation scales per layer.
 
-Every layer group has the same number of layers (kvlab.block_manager), so the pool is stored as one
-pair of tensors per layer *slot within a group*:
+Every layer group has the same number of layers (kvlab.block_manager), so the pool is stored per
+layer *slot within a group*. What a page holds is the format's business (kvlab.quant.base):
 
-    k[s], v[s]:     [num_pages + 1, block_size, heads, head_dim]  (storage dtype; heads = num_kv_heads,
-                    or 1 where every (layer, KV head) has its own table: per-head budgets)
-    scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
+    element-wise formats (fp32 / bf16 / fp16 / fp8):
+        k[s], v[s]:     [num_pages + 1, block_size, heads, head_dim]  (storage dtype; heads = num_kv_heads,
+                        or 1 where every (layer, KV head) has its own table: per-head budgets)
+        scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
+    packed formats (int8 / int4 / int2): k[s], v[s] are kvlab.quant.page_store.PageStore objects,
+        a dict of page parts each [num_pages + 1, *part shape] (codes, scales, zero points), plus
+        rows of the full-precision residual area [rows, block_size, heads, D] when the format keeps
+        a residual window (which page is open lives in the one `ResidualArea`).
 
 Layer `l` of group `g` at slot `s` reads and writes page `p` at `k[s][p]`; a page belongs to one
 group at a time (the block manager hands it out), so layers of different groups never meet in it.
@@ -14,11 +19,14 @@ The last page (`null_page`) stays zero: released table entries and padding point
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvlab.block_manager import LayerGroup
 from kvlab.kernels import ops
 from kvlab.quant.base import QuantFormat
+from kvlab.quant.page_store import PageStore, ResidualArea, WritePlan, plan_write
 
 
 def heads_per_page(groups: list[LayerGroup], num_kv_heads: int) -> int:
@@ -28,16 +36,37 @@ def heads_per_page(groups: list[LayerGroup], num_kv_heads: int) -> int:
 
 def bytes_per_block(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
                     quant: QuantFormat, compute_dtype: torch.dtype) -> float:
-    """Bytes one page costs: K and V of `block_size` tokens for every layer (and KV head) of one group."""
-    return (2 * len(groups[0].layers) * block_size * heads_per_page(groups, num_kv_heads) * head_dim
-            * quant.bytes_per_element(compute_dtype))
+    """Bytes one page costs: K and V of `block_size` tokens for every layer (and KV head) of one group,
+    with the format's scales and zero points."""
+    per_token = quant.bytes_per_token(heads_per_page(groups, num_kv_heads), head_dim, block_size, compute_dtype)
+    return len(groups[0].layers) * block_size * per_token
+
+
+def residual_bytes_per_row(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
+                           compute_dtype: torch.dtype) -> int:
+    """Bytes one row of the residual area costs (a page of K and V in full precision, every layer of a group)."""
+    heads = heads_per_page(groups, num_kv_heads)
+    return 2 * len(groups[0].layers) * block_size * heads * head_dim * compute_dtype.itemsize
+
+
+def residual_rows_needed(quant: QuantFormat, num_groups: int, block_size: int, max_num_seqs: int) -> int:
+    """Rows for `max_num_seqs` sequences: per (sequence, group) the pages within the window plus the
+    partly filled one."""
+    if quant.residual is None:
+        return 0
+    return max_num_seqs * num_groups * (math.ceil(quant.residual / block_size) + 1)
 
 
 class KVCache:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, quant: QuantFormat, compute_dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, quant: QuantFormat, compute_dtype: torch.dtype, device: torch.device | str,
+                 residual_rows: int | None = None):
+        """`residual_rows`: rows of the residual area (formats with a residual window; default one per page)."""
+        quant.check_shape(num_kv_heads, head_dim, block_size)
         self.groups = groups
         self.quant = quant
+        self.block_size = block_size
+        self.compute_dtype = compute_dtype
         # layer -> [(group, KV head or None for all)]: one entry, or one per KV head with per-head tables
         self.groups_of: dict[int, list[tuple[int, int | None]]] = {}
         for g, group in enumerate(groups):
@@ -45,27 +74,93 @@ class KVCache:
                 self.groups_of.setdefault(layer, []).append((g, group.head))
         self.slot_of: dict[int, int] = {layer: s for group in groups for s, layer in enumerate(group.layers)}
         self.null_page = num_blocks
-        dtype = quant.storage_dtype(compute_dtype)
-        shape = (num_blocks + 1, block_size, heads_per_page(groups, num_kv_heads), head_dim)
         per_group = len(groups[0].layers)
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
+        heads = heads_per_page(groups, num_kv_heads)
+        self.area: ResidualArea | None = None
+        if quant.packed:
+            if quant.residual is not None:
+                rows = num_blocks if residual_rows is None else residual_rows
+                self.area = ResidualArea(num_blocks + 1, rows, device)
+            self.codecs = quant.codecs()
+            make = lambda codec: PageStore(codec, num_blocks + 1, block_size, heads, head_dim,  # noqa: E731
+                                           self.area, compute_dtype, device)
+            self._k = [make(self.codecs[0]) for _ in range(per_group)]
+            self._v = [make(self.codecs[1]) for _ in range(per_group)]
+        else:
+            dtype = quant.storage_dtype(compute_dtype)
+            shape = (num_blocks + 1, block_size, heads, head_dim)
+            self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
+            self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
         self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.groups_of}
         self._calibrated: set[int] = set()
         self.sparse_read = None  # kvlab.sparse_read.SparseRead, set by the engine for a policy that reads
         # selected pages at decode: it keeps page key summaries from every store, copy and move
+        self._step: dict[int, tuple[torch.Tensor, set[int] | None]] = {}  # group -> (slot mapping, pages to seal)
+        self._plans: dict[int, WritePlan] = {}
+        self._busy: set[int] = set()
 
-    def k(self, layer: int) -> torch.Tensor:
-        """[num_pages + 1, block_size, Hkv, D] keys of `layer` (pages of other groups in it are not its own)."""
+    @property
+    def residual(self) -> int | None:
+        """Tokens per sequence the format keeps in full precision (None: no residual area)."""
+        return self.quant.residual if self.quant.packed else None
+
+    def k(self, layer: int) -> torch.Tensor | PageStore:
+        """Keys of `layer`: [num_pages + 1, block_size, Hkv, D], or a PageStore for packed formats."""
         return self._k[self.slot_of[layer]]
 
-    def v(self, layer: int) -> torch.Tensor:
+    def v(self, layer: int) -> torch.Tensor | PageStore:
         return self._v[self.slot_of[layer]]
+
+    # -- writes ---------------------------------------------------------------
+    def begin_step(self, slot_mappings: list[torch.Tensor], seal_pages: list[set[int]] | None = None) -> None:
+        """The step's slot mapping per group and, for a residual window, the pages per group that
+        leave it this step (kvlab.attention.plan_step). Write plans are built at each group's first store."""
+        if self.area is not None:
+            self.area.end_step()
+        self._plans.clear()
+        self._step = {g: (m, None if seal_pages is None else seal_pages[g]) for g, m in enumerate(slot_mappings)}
+        if self.area is not None:
+            bs = self.block_size
+            self._busy = {s // bs for m in slot_mappings for s in m.tolist() if s >= 0}
+
+    def _write_plan(self, layer: int, slot_mapping: torch.Tensor, head: int | None) -> WritePlan:
+        g = next(g for g, h in self.groups_of[layer] if h == head)
+        plan = self._plans.get(g)
+        step = self._step.get(g)
+        if plan is None or step is None or step[0] is not slot_mapping:
+            seal = step[1] if step is not None and step[0] is slot_mapping else set()
+            plan = plan_write(slot_mapping.long(), self.block_size, self.codecs, self.area, seal, self._busy,
+                              [*self._k, *self._v])
+            if seal and self.area is not None:
+                self._seal_untouched(seal, set(plan.pages.tolist()))
+            self._plans[g] = plan
+            self._step[g] = (slot_mapping, seal)
+        return plan
+
+    def _seal_untouched(self, seal: set[int], touched: set[int]) -> None:
+        """Pages that left the window without being written this step: encode them from their rows."""
+        pages = {p: self.area.row(p) for p in seal - touched if self.area.row(p) >= 0}
+        if not pages:
+            return
+        device = self.area.row_of.device
+        pages_t = torch.tensor(list(pages), dtype=torch.int64, device=device)
+        rows_t = torch.tensor(list(pages.values()), dtype=torch.int64, device=device)
+        for store in (*self._k, *self._v):
+            store.seal_rows(pages_t, rows_t)
+        for p in pages:
+            self.area.seal(p)
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
               head: int | None = None) -> None:
         """key/value [T, Hkv, D] -> their slots in `layer`'s pool (`head`: only that KV head's, into pages
         that hold one head)."""
+        if self.quant.packed:
+            plan = self._write_plan(layer, slot_mapping, head)
+            if head is not None:
+                key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
+            self.k(layer).write(key, plan)
+            self.v(layer).write(value, plan)
+            return
         scales = self.scales[layer]
         if scales is not None and layer not in self._calibrated:
             self.quant.calibrate(key, value, scales)  # every head's scale, from the layer's first chunk
@@ -78,33 +173,106 @@ class KVCache:
             self.sparse_read.stored(layer, key, slot_mapping)
 
     def head_scales(self, layer: int, head: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(k_scale, v_scale) of `layer` ([Hkv], or [1] for one KV head), or (None, None) unscaled."""
+        """(k_scale, v_scale) of `layer` ([Hkv], or [1] for one KV head), or (None, None) unscaled
+        (packed formats carry their scales in their pages)."""
         scales = self.scales[layer]
         if scales is None:
             return None, None
         return scales if head is None else (scales[0][head : head + 1], scales[1][head : head + 1])
 
+    # -- reads (policies) ---------------------------------------------------------
+    def read_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `layer` at slots [N] int64, dequantised: ([N, Hkv, D], [N, Hkv, D]) in `dtype`."""
+        if self.quant.packed:
+            return self.k(layer).read_slots(slots, dtype), self.v(layer).read_slots(slots, dtype)
+        from kvlab.kernels.reference.store_kv import dequantize_ref
+
+        k_scale, v_scale = self.scales[layer] or (None, None)
+        k, v = self.k(layer), self.v(layer)
+        return (dequantize_ref(k.view(-1, *k.shape[2:]).index_select(0, slots), k_scale, dtype),
+                dequantize_ref(v.view(-1, *v.shape[2:]).index_select(0, slots), v_scale, dtype))
+
+    # -- page copies and slot moves -----------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: page src -> page dst, in every layer slot."""
-        self._apply(ops.copy_blocks, pairs)
+        """Copy-on-write: page src -> page dst, in every layer slot, with its scales (and residual row)."""
         if self.sparse_read is not None:
             self.sparse_read.copied(pairs)
+        if not self.quant.packed:
+            self._apply(ops.copy_blocks, pairs)
+            return
+        if not pairs:
+            return
+        device = self._k[0].device
+        src = torch.tensor([s for s, _ in pairs], device=device)
+        dst = torch.tensor([d for _, d in pairs], device=device)
+        for store in (*self._k, *self._v):
+            store.copy_pages(src, dst)
+        if self.area is None:
+            return
+        row_pairs = []
+        for s, d in pairs:
+            rs = self.area.row(s)
+            self.area.seal(d)
+            if rs >= 0:
+                rd = self.area.take(d)
+                if rd >= 0:
+                    row_pairs.append((rs, rd))
+                else:  # no free row: the copy is sealed from the source's residual row
+                    self.area.early_seals += 1
+                    for store in (*self._k, *self._v):
+                        store.seal_rows(torch.tensor([d], device=device), torch.tensor([rs], device=device))
+        if row_pairs:
+            rs_t = torch.tensor([a for a, _ in row_pairs], device=device)
+            rd_t = torch.tensor([b for _, b in row_pairs], device=device)
+            for store in (*self._k, *self._v):
+                store.copy_rows(rs_t, rd_t)
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
-        """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot."""
-        self._apply(ops.compact_slots, moves)
+        """Compaction: token slot src -> slot dst (all reads before writes), in every layer slot.
+        Packed formats re-quantise the pages written (they are sealed)."""
         if self.sparse_read is not None:
             self.sparse_read.moved(moves)
+        if not self.quant.packed:
+            self._apply(ops.compact_slots, moves)
+            return
+        if not moves:
+            return
+        device = self._k[0].device
+        src = torch.tensor([s for s, _ in moves], dtype=torch.int64, device=device)
+        dst = torch.tensor([d for _, d in moves], dtype=torch.int64, device=device)
+        values = [(k.read_slots(src, self.compute_dtype), v.read_slots(src, self.compute_dtype))
+                  for k, v in zip(self._k, self._v)]
+        plan = plan_write(dst, self.block_size, self.codecs, self.area, None)
+        for (k, v), (kx, vx) in zip(zip(self._k, self._v), values):
+            k.write(kx, plan)
+            v.write(vx, plan)
+        if self.area is not None:
+            self.area.end_step()
 
     def move_head_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per-head compaction: KV head h's K/V at slots src[h] ([Hkv, m]) -> slots dst ([m]), all reads
-        before writes, in every layer slot (released source pages are read before anything reuses them)."""
+        before writes, in every layer slot (released source pages are read before anything reuses them).
+        Packed formats re-quantise the pages written."""
         heads = torch.arange(src.shape[0], device=src.device)[:, None]  # [Hkv, 1]
-        for pool in (*self._k, *self._v):
-            flat = pool.view(-1, *pool.shape[2:])  # [slots, Hkv, D]
-            flat[dst[None, :], heads] = flat[src, heads]  # [Hkv, m, D]
         if self.sparse_read is not None:
             self.sparse_read.moved_to(dst)
+        if not self.quant.packed:
+            for pool in (*self._k, *self._v):
+                flat = pool.view(-1, *pool.shape[2:])  # [slots, Hkv, D]
+                flat[dst[None, :], heads] = flat[src, heads]  # [Hkv, m, D]
+            return
+        if dst.numel() == 0:
+            return
+        dtype = self.compute_dtype
+        values = []
+        for store in (*self._k, *self._v):  # head h's survivors: [m, Hkv, D]
+            per_head = [store.read_slots(src[h], dtype)[:, h] for h in range(src.shape[0])]
+            values.append(torch.stack(per_head, dim=1))
+        plan = plan_write(dst.long(), self.block_size, self.codecs, self.area, None)
+        for store, x in zip((*self._k, *self._v), values):
+            store.write(x, plan)
+        if self.area is not None:
+            self.area.end_step()
 
     def _apply(self, op, pairs: list[tuple[int, int]]) -> None:
         """op(k, v, src [N], dst [N]) on every layer slot's pool tensors."""
@@ -115,5 +283,20 @@ class KVCache:
         for k, v in zip(self._k, self._v):
             op(k, v, src, dst)
 
-    def nbytes(self) -> int:
+    # -- bytes ------------------------------------------------------------------------
+    def pool_nbytes(self) -> int:
+        """Bytes of the page pool tensors (every part of every page, the null page included)."""
+        if self.quant.packed:
+            return sum(t.numel() * t.element_size() for s in (*self._k, *self._v) for t in s.parts.values())
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+
+    def residual_nbytes(self) -> int:
+        """Bytes of the full-precision residual area (0 without one)."""
+        if self.area is None:
+            return 0
+        return sum(s.residual.numel() * s.residual.element_size() for s in (*self._k, *self._v))
+
+    def nbytes(self) -> int:
+        """Everything the cache holds: pool, residual area and per-layer scales."""
+        scales = sum(t.numel() * t.element_size() for pair in self.scales.values() if pair for t in pair)
+        return self.pool_nbytes() + self.residual_nbytes() + scales

@@ -23,7 +23,7 @@ from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
-from kvlab.kv_cache import KVCache, bytes_per_block
+from kvlab.kv_cache import KVCache, bytes_per_block, residual_bytes_per_row, residual_rows_needed
 from kvlab.metrics import Metrics
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
@@ -69,6 +69,27 @@ def as_token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_backend_reads(quant, config: EngineConfig) -> None:
+    """A cache format the chosen kernel backend cannot read is an error before the model loads."""
+    cuda = torch.device(config.device).type == "cuda"
+    backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
+    if backend not in quant.backends:
+        raise ValueError(f"quant={config.quant!r}: the {backend} kernel backend cannot read this cache format "
+                         f"(it is read by: {', '.join(quant.backends)}); set kernel_backend='torch'")
+
+
+def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, bytes) of the full-precision residual area of a format with a residual window: enough
+    for max_num_seqs sequences, at most half the byte budget (beyond it, pages are quantised early)."""
+    if not quant.packed or quant.residual is None:
+        return 0, 0
+    row_bytes = residual_bytes_per_row(groups, config.block_size, num_kv_heads, head_dim, dtype)
+    rows = residual_rows_needed(quant, len(groups), config.block_size, config.max_num_seqs)
+    rows = min(rows, int(config.kv_cache_memory // 2 // row_bytes))
+    return rows, rows * row_bytes
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         load_plugins()
@@ -77,6 +98,10 @@ class LLMEngine:
         allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        if isinstance(self.policy, SparseReadPolicy) and getattr(self.quant, "packed", False):
+            raise ValueError(f"policy {config.policy!r} reads selected pages through key summaries that packed "
+                             f"formats do not keep yet; use quant {config.quant!r} without {config.policy!r}, or an "
+                             f"unpacked format (fp32, bf16, fp16, fp8_e4m3, fp8_e5m2)")
         check_engine(self.policy, config)
         if self.policy.compresses and type(allocator).compact is Allocator.compact:
             raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
@@ -89,6 +114,7 @@ class LLMEngine:
                 f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
             )
         ops.set_backend(config.kernel_backend)
+        check_backend_reads(self.quant, config)
         dtype = getattr(torch, config.dtype)
         impl = attention.register()
         if loaded is None:
@@ -111,8 +137,10 @@ class LLMEngine:
         groups = layer_groups(mc, per_layer=self.policy.compresses, per_head=self.policy.head_budgets)
         num_kv_heads = mc.num_key_value_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
-        num_blocks = int(config.kv_cache_memory // per_block)
+        residual_rows, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)
+        num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
         self.bytes_per_block = per_block
         if num_blocks < 1:
             raise ValueError(
@@ -130,7 +158,7 @@ class LLMEngine:
                                           num_blocks, config.block_size, self.max_model_len,
                                           config.max_num_batched_tokens, prefix_cache, config.prefix_match)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
-                             config.device)
+                             config.device, residual_rows=residual_rows)
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
             self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
                                                 dtype, config.device)

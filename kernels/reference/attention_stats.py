@@ -22,7 +22,7 @@ import torch
 
 from kvlab.attention_plan import AttentionPlan, plan_paged_attention
 from kvlab.kernels.reference.paged_attention import attention_logits, plan_parts
-from kvlab.kernels.reference.store_kv import dequantize_ref
+from kvlab.kernels.reference.store_kv import read_blocks
 
 
 def attention_stats_from_plan(
@@ -46,7 +46,7 @@ def attention_stats_from_plan(
         Bp = part.q_index.shape[0]
         L = part.blocks.shape[1] * plan.block_size
         qp = q[part.q_index].transpose(1, 2)  # [Bp, Hq, Qmax, D]
-        k = dequantize_ref(k_cache[part.blocks], k_scale, q.dtype).view(Bp, L, Hkv, D).transpose(1, 2)
+        k = read_blocks(k_cache, part.blocks, k_scale, q.dtype).view(Bp, L, Hkv, D).transpose(1, 2)
         p = torch.softmax(attention_logits(qp, k, part.mask, scale, softcap), dim=-1)  # [Bp, Hkv, g, Qmax, L]
         counted = part.q_valid & (part.q_local >= part.q_lens[:, None] - window)  # [Bp, Qmax]
         per_key = (p * counted[:, None, None, :, None]).sum(dim=(2, 3))  # [Bp, Hkv, L]

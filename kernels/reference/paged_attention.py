@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.attention_plan import NULL_BLOCK, AttentionPlan, memo, plan_paged_attention
-from kvlab.kernels.reference.store_kv import dequantize_ref
+from kvlab.kernels.reference.store_kv import dequantize_ref, read_blocks
 
 __all__ = ["AttentionPlan", "plan_paged_attention", "plan_parts", "run_paged_attention", "paged_attention_ref"]
 
@@ -208,11 +208,14 @@ def run_paged_attention(
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
-    """cache [NB, bs, Hkv, D], blocks [B, nb] -> [B, Hkv, nb * bs, D] in `dtype` (a strided view).
+    """cache [NB, bs, Hkv, D] (or a packed PageStore), blocks [B, nb] -> [B, Hkv, nb * bs, D] in `dtype`
+    (a strided view).
 
     index_select over whole blocks copies block-sized rows (advanced indexing copies element-wise)."""
     NB, bs, Hkv, D = cache.shape
     B, nb = blocks.shape
+    if not isinstance(cache, torch.Tensor):  # packed format: decoded page by page
+        return read_blocks(cache, blocks, scale, dtype).view(B, nb * bs, Hkv, D).transpose(1, 2)
     rows = cache.view(NB, bs * Hkv * D).index_select(0, blocks.reshape(-1))  # [B * nb, bs * Hkv * D]
     return dequantize_ref(rows.view(B, nb * bs, Hkv, D), scale, dtype).transpose(1, 2)
 

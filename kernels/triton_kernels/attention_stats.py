@@ -12,7 +12,7 @@ BLOCK_Q tokens x G heads, exactly like the attention kernel's rows.
 import triton
 import triton.language as tl
 
-from kvlab.kernels.triton_kernels.codec import decode
+from kvlab.kernels.triton_kernels.codec import decode, load_packed
 from kvlab.kernels.triton_kernels.paged_attention import logits_log2, visible
 
 
@@ -26,7 +26,10 @@ def attention_stats_kernel(
     cu_seqlens_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tree_ptr,  # [T, >= max q_len] uint8 (USE_TREE)
-    k_scale_ptr,  # [Hkv] float32 (SCALED codec)
+    k_scale_ptr,  # [Hkv] float32 (SCALED codec); PACKED: the page store's scale part
+    k_zero_ptr,  # PACKED: zero-point part
+    k_res_ptr,  # PACKED with HAS_RES: residual rows [rows, PAGE, Hkv, D]
+    row_of_ptr,  # PACKED with HAS_RES: [num_blocks] int64
     scale,
     softcap,
     window,
@@ -51,6 +54,11 @@ def attention_stats_kernel(
     K_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codec layout (kvlab.quant PageCodec.layout)
+    K_KIND: tl.constexpr = 0,
+    K_BITS: tl.constexpr = 8,
+    K_GROUP: tl.constexpr = 1,
+    HAS_RES: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,9 +81,15 @@ def attention_stats_kernel(
     block = block.to(tl.int64)
     key_valid = key_valid & (block >= 0)  # a released page (-1) is never read
     block = tl.maximum(block, 0)
-    k_off = block * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
-    k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=key_valid[None, :] & d_valid[:, None], other=0.0)
     k_scale = 1.0
+    if K_CODEC == 2:  # packed pages: dequantised once here, the loop below casts only
+        k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr,
+                        block[None, :], (j % PAGE)[None, :], kv_head, d[:, None],
+                        key_valid[None, :] & d_valid[:, None],
+                        PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, tl.float32)
+    else:
+        k_off = block * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=key_valid[None, :] & d_valid[:, None], other=0.0)
     if K_CODEC == 1:
         k_scale = tl.load(k_scale_ptr + kv_head)
 
@@ -95,7 +109,7 @@ def attention_stats_kernel(
             mask=row_valid[:, None] & d_valid[None, :],
             other=0.0,
         ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
-        kq = decode(k, k_scale, K_CODEC, DOT_DTYPE)
+        kq = decode(k, k_scale, K_CODEC, DOT_DTYPE)  # PACKED: already dequantised, a cast
         s = logits_log2(q, kq, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ok = visible(pos, j, row_valid, key_valid, tok, prefix, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
         lse = tl.load(lse_ptr + tok * stride_lt + head * stride_lh, mask=row_valid, other=0.0)

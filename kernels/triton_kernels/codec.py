@@ -61,3 +61,56 @@ def decode(x, scale, CODEC: tl.constexpr, out_dtype: tl.constexpr):
         return (x.to(tl.float32) * scale).to(out_dtype)
     else:
         return x.to(out_dtype)
+
+
+# Packed formats (kvlab.quant: int8, int4, int2) are read through `load_packed`: the launcher passes
+# the page parts of a kvlab.quant.page_store.PageStore (all contiguous, so strides follow from the
+# shapes) and the codec's layout (kvlab.quant.base.PageCodec.layout):
+#   KIND 0  int8 codes [pages, PAGE, Hkv, D], scale [pages, PAGE, Hkv] (symmetric, per token per head)
+#   KIND 1  codes [pages, PAGE, Hkv, D * BITS / 8], scale / zero [pages, PAGE / GROUP, Hkv, D]
+#           (asymmetric, per channel over GROUP tokens: KIVI keys)
+#   KIND 2  codes as KIND 1, scale / zero [pages, PAGE, Hkv, D / GROUP] (per token over GROUP channels: KIVI values)
+# With HAS_RES, a page whose residual row (row_of[page]) is >= 0 is read from the full-precision
+# residual area [rows, PAGE, Hkv, D] instead.
+PACKED = tl.constexpr(2)
+
+
+@triton.jit
+def load_packed(
+    data_ptr, scale_ptr, zero_ptr, res_ptr, row_of_ptr,
+    blk,  # int64 page of each element (any shape, broadcast with the others)
+    pos,  # slot within the page
+    h,  # KV head
+    dd,  # channel
+    mask,
+    PAGE: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    out_dtype: tl.constexpr,
+):
+    """Dequantised elements of a packed page store, in `out_dtype` (0 where masked)."""
+    slot = blk * PAGE + pos
+    byte = tl.load(data_ptr + (slot * HKV + h) * (HEAD_DIM * BITS // 8) + dd // (8 // BITS),
+                   mask=mask, other=0).to(tl.int32)
+    if KIND == 0:
+        s = tl.load(scale_ptr + slot * HKV + h, mask=mask, other=0.0).to(tl.float32)
+        x = byte.to(tl.float32) * s
+    else:
+        code = ((byte >> ((dd % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND == 1:
+            sidx = ((blk * (PAGE // GROUP) + pos // GROUP) * HKV + h) * HEAD_DIM + dd
+        else:
+            sidx = (slot * HKV + h) * (HEAD_DIM // GROUP) + dd // GROUP
+        s = tl.load(scale_ptr + sidx, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + sidx, mask=mask, other=0.0).to(tl.float32)
+        x = code * s + z
+    if HAS_RES:
+        row = tl.load(row_of_ptr + blk, mask=mask, other=-1)
+        is_open = mask & (row >= 0)
+        r = tl.load(res_ptr + ((row * PAGE + pos) * HKV + h) * HEAD_DIM + dd, mask=is_open, other=0.0)
+        x = tl.where(is_open, r.to(tl.float32), x)
+    return x.to(out_dtype)

@@ -21,7 +21,7 @@ statistics kernel.
 import triton
 import triton.language as tl
 
-from kvlab.kernels.triton_kernels.codec import decode
+from kvlab.kernels.triton_kernels.codec import decode, load_packed
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -85,8 +85,13 @@ def paged_attention_kernel(
     tile_seq_ptr,  # [n_tiles] int32 sequence of each query tile
     tile_start_ptr,  # [n_tiles] int32 first query (within its sequence's chunk) of each tile
     tree_ptr,  # [T, >= max q_len] uint8 tree mask (USE_TREE)
-    k_scale_ptr,  # [Hkv] float32 (SCALED codec)
+    k_scale_ptr,  # [Hkv] float32 (SCALED codec); PACKED: the page store's scale part
     v_scale_ptr,
+    k_zero_ptr,  # PACKED: zero-point part (asymmetric layouts)
+    v_zero_ptr,
+    k_res_ptr,  # PACKED with HAS_RES: residual rows [rows, PAGE, Hkv, D]
+    v_res_ptr,
+    row_of_ptr,  # PACKED with HAS_RES: [num_blocks] int64 residual row of each page (-1: sealed)
     scale,
     softcap,
     window,
@@ -113,6 +118,14 @@ def paged_attention_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dtype of the tl.dot operands (the query dtype on GPUs)
     DOT_PRECISION: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codecs: layout constants (kvlab.quant PageCodec.layout)
+    K_KIND: tl.constexpr = 0,
+    K_BITS: tl.constexpr = 8,
+    K_GROUP: tl.constexpr = 1,
+    V_KIND: tl.constexpr = 0,
+    V_BITS: tl.constexpr = 8,
+    V_GROUP: tl.constexpr = 1,
+    HAS_RES: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,13 +184,19 @@ def paged_attention_kernel(
         key_valid = key_valid & (block >= 0)  # a released page (-1) is never read
         block = tl.maximum(block, 0)
         in_page = j % PAGE
-        k_off = block * stride_kb + in_page * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        k = tl.load(
-            k_cache_ptr + k_off[None, :] + d[:, None],
-            mask=key_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        k = decode(k, k_scale, K_CODEC, DOT_DTYPE)
+        if K_CODEC == 2:  # packed pages, dequantised on load
+            k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr,
+                            block[None, :], in_page[None, :], kv_head, d[:, None],
+                            key_valid[None, :] & d_valid[:, None],
+                            PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, DOT_DTYPE)
+        else:
+            k_off = block * stride_kb + in_page * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+            k = tl.load(
+                k_cache_ptr + k_off[None, :] + d[:, None],
+                mask=key_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )  # [BLOCK_D, BLOCK_N]
+            k = decode(k, k_scale, K_CODEC, DOT_DTYPE)
         s = logits_log2(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ok = visible(pos, j, row_valid, key_valid, tok, prefix, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
         s = tl.where(ok, s, float("-inf"))
@@ -188,13 +207,19 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_off = block * stride_vb + in_page * stride_vs + kv_head * stride_vh
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + d[None, :],
-            mask=key_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        v = decode(v, v_scale, V_CODEC, DOT_DTYPE)
+        if V_CODEC == 2:
+            v = load_packed(v_cache_ptr, v_scale_ptr, v_zero_ptr, v_res_ptr, row_of_ptr,
+                            block[:, None], in_page[:, None], kv_head, d[None, :],
+                            key_valid[:, None] & d_valid[None, :],
+                            PAGE, NUM_KV_HEADS, HEAD_DIM, V_KIND, V_BITS, V_GROUP, HAS_RES, DOT_DTYPE)
+        else:
+            v_off = block * stride_vb + in_page * stride_vs + kv_head * stride_vh
+            v = tl.load(
+                v_cache_ptr + v_off[:, None] + d[None, :],
+                mask=key_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            v = decode(v, v_scale, V_CODEC, DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

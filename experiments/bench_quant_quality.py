@@ -1,0 +1,135 @@
+"""Quality of every KV-cache format on one model: WikiText-2 perplexity and agreement with fp32.
+
+For each format (fp32, bf16, fp8_e4m3, int8, int4, int2; KIVI formats with their defaults,
+group_size 32 and a 32-token residual, and again with --residual-zero: residual 0, the whole
+prompt quantised), kvlab's own tasks run on the same engine settings:
+  - kvlab.tasks.perplexity.Perplexity: --num-windows windows of --context + --continuation tokens,
+    the continuation scored teacher-forced;
+  - kvlab.tasks.agreement.Agreement against the full-cache fp32 engine (greedy match, top-1 match,
+    KL of next-token distributions), --num-prompts prompts of --prompt-length tokens.
+Also the pool's bytes per token (scales and zero points included) and the residual area's bytes.
+Not compared here: Hugging Face's QuantizedCache (it needs `optimum-quanto`, not installed).
+
+    python experiments/bench_quant_quality.py                        # SmolLM2-135M, ~10 minutes on 2 busy cores
+    python experiments/bench_quant_quality.py --num-windows 2 --num-prompts 2 --out /tmp/q
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench_throughput import REPO, commit_line, load_average, log, metadata, table
+
+FORMATS = [("fp32", {}), ("bf16", {}), ("fp8_e4m3", {}), ("int8", {}), ("int4", {}), ("int2", {})]
+COLUMNS = [("format", "format"), ("args", "args"), ("bytes_per_token", "pool B/token/layer"),
+           ("vs_bf16", "vs bf16"), ("residual_mib", "residual area MiB"), ("ppl", "perplexity"),
+           ("greedy_match", "greedy match"), ("top1_match", "top-1 match"), ("kl", "KL (nats)"),
+           ("kl_max", "KL max"), ("seconds", "s")]
+
+
+def run(args) -> list[dict]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvlab import LLM
+    from kvlab.models import load_model
+    from kvlab.tasks.agreement import Agreement
+    from kvlab.tasks.base import RunContext
+    from kvlab.tasks.data import default_data_dir
+    from kvlab.tasks.perplexity import Perplexity
+
+    loaded = load_model(args.model)
+    engine = dict(block_size=32, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+    reference: list = []
+
+    def build_reference():
+        if not reference:
+            reference.append(LLM(args.model, loaded=copy.deepcopy(loaded), quant="fp32", **engine))
+        return reference[0]
+
+    ctx = RunContext(data_dir=default_data_dir(), reference=build_reference)
+    ppl = Perplexity(context_lengths=[args.context], continuation_length=args.continuation,
+                     num_windows=args.num_windows, batch_size=args.num_windows)
+    agree = Agreement(num_prompts=args.num_prompts, prompt_length=args.prompt_length,
+                      max_new_tokens=args.max_new_tokens)
+    formats = list(FORMATS) + ([("int4", {"residual": 0}), ("int2", {"residual": 0})] if args.residual_zero else [])
+    rows = []
+    for name, qargs in formats:
+        t0 = time.perf_counter()
+        log(f"{name} {qargs}")
+        llm = LLM(args.model, loaded=copy.deepcopy(loaded), quant=name, quant_args=qargs, **engine)
+        cache = llm.engine.cache
+        per_token = cache.pool_nbytes() / ((cache.null_page + 1) * 32) / len(cache.groups[0].layers)
+        p = ppl.run(llm, ctx).metrics
+        a = agree.run(llm, ctx).metrics
+        rows.append({"format": name, "args": ",".join(f"{k}={v}" for k, v in qargs.items()) or "-",
+                     "bytes_per_token": per_token, "residual_mib": cache.residual_nbytes() / 2**20,
+                     "ppl": p["perplexity/ppl"], "greedy_match": a["agreement/greedy_match"],
+                     "top1_match": a["agreement/top1_match"], "kl": a["agreement/kl"],
+                     "kl_max": a["agreement/kl_max"], "seconds": time.perf_counter() - t0})
+        del llm
+    bf16 = next(r["bytes_per_token"] for r in rows if r["format"] == "bf16")
+    for r in rows:
+        r["vs_bf16"] = r["bytes_per_token"] / bf16
+    return rows
+
+
+def report(rows: list[dict], meta: dict, args) -> str:
+    return "\n".join([
+        f"# KV-cache format quality on {args.model}",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
+        f"at end {load_average()} (other jobs were running on the machine; timings are indicative only).",
+        "",
+        f"Perplexity: WikiText-2 test, {args.num_windows} windows of {args.context} context + {args.continuation} "
+        f"scored tokens. Agreement: {args.num_prompts} prompts of {args.prompt_length} tokens, {args.max_new_tokens} "
+        "greedy tokens, against the full-cache fp32 engine (kvlab.tasks.agreement). Block size 32; KIVI formats "
+        "with group_size 32 (and the residual given in args, default 32 tokens in full precision).",
+        "Bytes per token are counted from the pool tensors (one layer, K and V, scales and zero points included); "
+        "the residual area (full precision, sized for max_num_seqs sequences) is paid from the budget first.",
+        "",
+        table(rows, COLUMNS),
+        "",
+        "Not measured here: Hugging Face's `QuantizedCache` anchor (`optimum-quanto` is not installed in this "
+        "environment), the format x policy grid and LongBench tasks.",
+        "",
+    ])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--continuation", type=int, default=64)
+    p.add_argument("--num-windows", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory", default="64MiB")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--residual-zero", action="store_true", help="also int4 / int2 with residual 0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "experiments" / "results" / "quant_quality_smollm2"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    meta = metadata(args)
+    rows = run(args)
+    text = report(rows, meta, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

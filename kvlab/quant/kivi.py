@@ -1,0 +1,154 @@
+"""int4 / int2 cache storage in the KIVI style (Liu et al. 2024, arXiv:2402.02750).
+
+Keys are quantised per channel over groups of `group_size` tokens (a page holds
+block_size / group_size key groups), values per token over groups of `group_size`
+channels; both asymmetric, with float16 scale and zero point (kvlab.quant.integer).
+Codes are packed along head_dim (two int4 / four int2 per uint8, kvlab.quant.packing).
+
+Page parts (per page; the pool adds the page dimension):
+    k.data  [bs, Hkv, D * bits / 8] uint8     k.scale, k.zero  [bs / G, Hkv, D] float16
+    v.data  [bs, Hkv, D * bits / 8] uint8     v.scale, v.zero  [bs, Hkv, D / G] float16
+
+Residual window: the newest `residual` tokens of each sequence stay in full precision (the
+compute dtype) in the cache's residual area, a page at a time: a page is quantised once all
+its tokens are older than the window (a partly filled page always stays full precision:
+"until a group fills"). kvlab.quant.page_store describes the area and its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvlab.quant.base import PageCodec, PartSpec, QuantFormat
+from kvlab.quant.integer import asymmetric
+from kvlab.quant.packing import pack, per_byte, unpack
+from kvlab.registry import QUANT_FORMATS
+
+
+@dataclass
+class KeyCodec(PageCodec):
+    """Keys: per channel, over groups of `group_size` tokens within a page."""
+
+    bits: int
+    group_size: int
+
+    def layout(self) -> tuple[int, int, int]:
+        return 1, self.bits, self.group_size
+
+    def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
+        groups = block_size // self.group_size
+        return {"data": PartSpec((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
+                "scale": PartSpec((groups, num_kv_heads, head_dim), torch.float16),
+                "zero": PartSpec((groups, num_kv_heads, head_dim), torch.float16)}
+
+    def encode(self, x: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        P, bs, hkv, d = x.shape
+        G = self.group_size
+        xg = x.float().view(P, bs // G, G, hkv, d)  # [P, groups, G, Hkv, D]
+        codes, scale, zero = asymmetric(xg, dim=2, bits=self.bits, valid=valid.view(P, bs // G, G, 1, 1))
+        return {"data": pack(codes.view(P, bs, hkv, d), self.bits), "scale": scale, "zero": zero}
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack(parts["data"], self.bits)  # [P, bs, Hkv, D]
+        P, bs, hkv, d = codes.shape
+        G = self.group_size
+        x = codes.view(P, bs // G, G, hkv, d).float() * parts["scale"].float()[:, :, None] \
+            + parts["zero"].float()[:, :, None]
+        return x.view(P, bs, hkv, d).to(dtype)
+
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        scale = parts["scale"].float()  # [P, bs / G, Hkv, D]
+        return scale.repeat_interleave(self.group_size, dim=1)
+
+
+@dataclass
+class ValueCodec(PageCodec):
+    """Values: per token, over groups of `group_size` channels."""
+
+    bits: int
+    group_size: int
+    token_local: ClassVar[bool] = True
+
+    def layout(self) -> tuple[int, int, int]:
+        return 2, self.bits, self.group_size
+
+    def parts(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PartSpec]:
+        groups = head_dim // self.group_size
+        return {"data": PartSpec((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
+                "scale": PartSpec((block_size, num_kv_heads, groups), torch.float16),
+                "zero": PartSpec((block_size, num_kv_heads, groups), torch.float16)}
+
+    def encode_tokens(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        *lead, d = x.shape
+        xg = x.float().view(*lead, d // self.group_size, self.group_size)  # [..., D / G, G]
+        codes, scale, zero = asymmetric(xg, dim=-1, bits=self.bits)
+        return {"data": pack(codes.view(*lead, d), self.bits), "scale": scale, "zero": zero}
+
+    def encode(self, x: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.encode_tokens(x)
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack(parts["data"], self.bits)  # [..., D]
+        *lead, d = codes.shape
+        G = self.group_size
+        x = codes.view(*lead, d // G, G).float() * parts["scale"].float()[..., None] + parts["zero"].float()[..., None]
+        return x.view(*lead, d).to(dtype)
+
+    def steps(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return parts["scale"].float().repeat_interleave(self.group_size, dim=-1)  # [..., D]
+
+
+@dataclass
+class KIVI(QuantFormat):
+    """Asymmetric `bits`-bit keys (per channel) and values (per token) with a full-precision residual."""
+
+    bits: ClassVar[int]
+    packed: ClassVar[bool] = True
+    backends: ClassVar[tuple[str, ...]] = ("torch", "triton")  # Triton: fused dequantisation (codec.load_packed)
+    group_size: int = 32  # tokens per key group and channels per value group; divides head_dim and block_size
+    residual: int = 32  # newest tokens per sequence kept in full precision (0: only the partly filled page)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"{name}: group_size must be a positive integer, got {self.group_size!r}")
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
+            raise ValueError(f"{name}: residual must be an integer >= 0 (tokens kept in full precision), "
+                             f"got {self.residual!r}")
+
+    def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8
+
+    def codecs(self) -> tuple[PageCodec, PageCodec]:
+        return KeyCodec(self.bits, self.group_size), ValueCodec(self.bits, self.group_size)
+
+    def check_shape(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        name = f"{type(self).__name__.lower()} (group_size={self.group_size})"
+        if head_dim % self.group_size:
+            raise ValueError(f"{name}: group_size must divide head_dim {head_dim} "
+                             f"(values are quantised per token over groups of group_size channels)")
+        if block_size % self.group_size:
+            raise ValueError(f"{name}: group_size must divide block_size {block_size} (keys are quantised per "
+                             f"channel over groups of group_size tokens within a page); choose block_size="
+                             f"{max(block_size, self.group_size)} or a group_size that divides {block_size}")
+        if head_dim % per_byte(self.bits):
+            raise ValueError(f"{name}: head_dim {head_dim} must be a multiple of {per_byte(self.bits)} to pack")
+
+
+@QUANT_FORMATS.register("int4")
+@dataclass
+class Int4(KIVI):
+    """KIVI-4: two 4-bit codes per byte."""
+
+    bits: ClassVar[int] = 4
+
+
+@QUANT_FORMATS.register("int2")
+@dataclass
+class Int2(KIVI):
+    """KIVI-2: four 2-bit codes per byte."""
+
+    bits: ClassVar[int] = 2
