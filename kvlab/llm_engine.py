@@ -180,6 +180,10 @@ class LLMEngine:
         if self.policy.compresses:
             raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: a "
                              f"compressing policy rewrites pages that other requests share; use policy='full'")
+        if getattr(self.quant, "residual", 0):
+            raise ValueError(f"enable_prefix_caching with quant {config.quant!r} and a residual window "
+                             f"(residual={self.quant.residual}) is not supported yet: a shared page would be read "
+                             f"quantised by one request and in full precision by another; use residual=0")
         if not hasattr(ALLOCATORS.get(config.allocator), "allocate_cached"):
             raise ValueError(f"enable_prefix_caching with allocator {config.allocator!r} is not supported yet; "
                              f"use allocator='paged'")
