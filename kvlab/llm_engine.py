@@ -27,11 +27,12 @@ from kvlab.metrics import Metrics
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import RequestOutput, ScoreOutput
-from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, load_plugins
+from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, QUANT_FORMATS, load_plugins
 from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
+from kvlab.speculation import Speculator
 
 
 def layer_groups(config, per_layer: bool = False) -> list[LayerGroup]:
@@ -72,10 +73,11 @@ class LLMEngine:
         ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
-        if config.draft is not None:
-            raise NotImplementedError(
-                f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
-            )
+        self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
+        if self.draft is not None and self.policy.compresses:
+            raise ValueError(f"draft {config.draft!r} with policy {config.policy!r}: speculative decoding does not "
+                             f"run with a compressing policy yet (tentative slots and compaction share cache "
+                             f"indices); use policy='full' or draft=None")
         ops.set_backend(config.kernel_backend)
         dtype = getattr(torch, config.dtype)
         impl = attention.register()
@@ -116,6 +118,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
             if self.policy.compresses else None
+        self.speculator = None
+        if self.draft is not None:
+            self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
+            self.speculator = Speculator(self.draft, mc.vocab_size)
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}
@@ -244,6 +250,8 @@ class LLMEngine:
         requests that caused it, or they fail again).
         """
         t0 = time.perf_counter()
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running, self._generators)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -257,14 +265,15 @@ class LLMEngine:
             out = self.runner.run(batch, rows if rows and any(rows) else None,
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
             tokens = self._sample(out)
+            verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
         except BaseException:
             self.scheduler.unschedule(batch)
             raise
-        self.scheduler.advance(batch)
+        self.scheduler.advance(batch, rejected)
         self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:
             self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
-        finished = self._postprocess(out, tokens)
+        finished = self._postprocess(out, tokens, verified)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
         outputs = [self.make_output(seq) for seq in finished]
@@ -288,16 +297,20 @@ class LLMEngine:
         seqs = [s for s, _ in out.sample_rows]
         return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
 
-    def _postprocess(self, out, tokens: list[int]) -> list[Sequence]:
+    def _postprocess(self, out, tokens: list[int], verified: list[tuple[Sequence, list[int]]] = ()) -> list[Sequence]:
+        """Append each sequence's new tokens (one, or a verified speculative run) one by one: a stop
+        inside a run drops the tokens after it."""
         now = time.perf_counter()
         finished: list[Sequence] = []
-        for (seq, _), token in zip(out.sample_rows, tokens):
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason:
-                finished.append(self._finish(seq, reason, now))
+        for seq, run in [(seq, [token]) for (seq, _), token in zip(out.sample_rows, tokens)] + list(verified):
+            for token in run:
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    finished.append(self._finish(seq, reason, now))
+                    break
         for seq, rows, targets in out.score_rows:
             logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
             seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
@@ -341,9 +354,13 @@ class LLMEngine:
         summary = self.metrics.summary(live)
         if self.compressor:
             summary.update(self.compressor.stats())
+        if self.speculator:
+            summary.update(self.speculator.stats(self.metrics.busy_s))
         return summary
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
         if self.compressor:
             self.compressor.reset_stats()
+        if self.speculator:
+            self.speculator.reset_stats()
