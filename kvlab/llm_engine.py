@@ -230,6 +230,8 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_time = time.perf_counter()
+        if self.speculator:
+            self.speculator.forget(seq)
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
         self.metrics.discard(seq.seq_id)
@@ -333,6 +335,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         if self.compressor:
             self.compressor.forget(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
         seq.finish_time = now
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)

@@ -83,6 +83,12 @@ class Speculator:
         finally:
             self.draft_s += time.perf_counter() - t0
 
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted."""
+        self._lengths.pop(seq.seq_id, None)
+        self._probs.pop(seq.seq_id, None)
+        self.draft.forget(seq.seq_id)
+
     # -- verify ----------------------------------------------------------------
     def verify(self, out, generators: dict[int, torch.Generator]) -> tuple[list[tuple[Sequence, list[int]]],
                                                                           dict[int, int]]:

@@ -33,21 +33,23 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 _plain: dict = {}
 
 
-def plain(batch: list[list[int]], max_tokens: int, **params) -> list[list[int]]:
-    key = (tuple(map(tuple, batch)), max_tokens, tuple(sorted(params.items())))
+def plain(batch: list[list[int]], max_tokens: int, model: str = MODEL, **params) -> list[list[int]]:
+    key = (model, tuple(map(tuple, batch)), max_tokens, tuple(sorted(params.items())))
     if key not in _plain:
-        llm = LLM(MODEL, block_size=16, kv_cache_memory="4MiB")
+        llm = LLM(model, block_size=16, kv_cache_memory="4MiB")
         sp = SamplingParams(max_tokens=max_tokens, **params)
         _plain[key] = [o.token_ids for o in llm.generate(batch, sp)]
     return _plain[key]
 
 
-def speculative(draft, batch, max_tokens, engine=None, **params):
-    llm = LLM(MODEL, draft=draft[0], draft_args=draft[1], **{"block_size": 16, "kv_cache_memory": "4MiB",
+def speculative(draft, batch, max_tokens, engine=None, model=MODEL, **params):
+    llm = LLM(model, draft=draft[0], draft_args=draft[1], **{"block_size": 16, "kv_cache_memory": "4MiB",
                                                               **(engine or {})})
     outs = llm.generate(batch, SamplingParams(max_tokens=max_tokens, **params))
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
+    if draft[0] == "model":  # the draft's own pool too
+        assert llm.engine.draft._bm.allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
     return [o.token_ids for o in outs], llm.stats(), llm
 
 
@@ -68,6 +70,16 @@ def test_greedy_matches_plain_decoding(draft, batch_size, block_size):
         assert stats["spec_acceptance_rate"] < 0.2  # rollback on nearly every step
     if draft is NGRAM and batch_size == 8:
         assert stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("draft", [NGRAM, OTHER], ids=["ngram", "model-other"])
+def test_sliding_window_model_matches_plain(draft):
+    """Gemma 3 tiny (window 8 on 5 of 6 layers): tentative slots and rollback next to released pages."""
+    gemma = "random:gemma3-tiny"
+    draft = (draft[0], {**draft[1], "model": gemma}) if draft[0] == "model" else draft
+    batch = prompts(8)
+    got, stats, _ = speculative(draft, batch, 12, {"block_size": 1}, model=gemma, ignore_eos=True)
+    assert got == plain(batch, 12, model=gemma, ignore_eos=True) and stats["spec_drafted_tokens"] > 0
 
 
 def test_stops_inside_an_accepted_run():
@@ -171,3 +183,28 @@ def test_ngram_lookup():
     assert lookup([4, 5, 6], 2, 1, 3) == []
     assert lookup([5, 1, 5], 4, 2, 3) == []  # only a 1-gram matches, and min_ngram is 2
     assert lookup([5, 1, 5], 4, 1, 3) == [1, 5]
+
+
+def test_model_draft_resyncs_its_pages_after_partial_acceptance():
+    """After a rejection at draft position a, the draft's pool rolls back to the committed tokens: its
+    next drafts equal those of a draft that computes the whole sequence afresh, and it holds exactly
+    the pages of the tokens it computed."""
+    from kvlab.sequence import Sequence
+
+    def engine_draft():
+        args = {"model": MODEL, "seed": 1, "num_tokens": 4}
+        return LLM(MODEL, draft="model", draft_args=args, block_size=4, kv_cache_memory="4MiB").engine.draft
+
+    draft, fresh = engine_draft(), engine_draft()
+    seq = Sequence(0, prompts(1)[0], SamplingParams(max_tokens=100), 200, 0.0)
+    tokens = draft.propose([seq], [4], [None])[0].tokens
+    for accepted in (0, 2, 4, 1):
+        seq.token_ids += tokens[:accepted] + ([(tokens[accepted] + 1) % 256] if accepted < 4 else [17])
+        tokens = draft.propose([seq], [4], [None])[0].tokens
+        fresh.forget(0)
+        assert tokens == fresh.propose([seq], [4], [None])[0].tokens
+        bm, shadow = draft._bm, draft._shadows[0]
+        assert shadow.num_computed_tokens == seq.num_tokens + 3  # committed + all drafts but the last
+        assert bm.allocator.num_used_blocks == -(-shadow.num_computed_tokens // 4)
+    draft.forget(0)
+    assert draft._bm.allocator.num_free_blocks == draft._bm.num_blocks

@@ -54,6 +54,9 @@ class DraftModel(ABC):
         """Check the draft against the target engine (vocabulary, device) and build what it needs;
         raise a clear error before any request runs."""
 
+    def forget(self, seq_id: int) -> None:
+        """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""
+
     @abstractmethod
     def propose(self, seqs: list["Sequence"], lengths: list[int],
                 generators: list["torch.Generator | None"]) -> list[Proposal]:

@@ -3,12 +3,16 @@ Chen et al. 2023, arXiv:2302.01318).
 
 The draft shares the target's tokenizer (a different vocabulary is an error: that needs the
 heterogeneous-vocabulary drafts `slem` / `tli` of Timor et al. 2025, arXiv:2502.05202, not built
-yet). It runs a plain Hugging Face forward with its own per-sequence `DynamicCache` outside the
-paged pool -- the simplest correct form. After verification the cache is re-synced: it is cropped
-to the longest common prefix of the tokens it holds and the sequence's committed tokens (rejected
-drafts drop out), and the missing tokens are fed before drafting again. Greedy requests draft the
-draft model's argmax (a point mass); sampled requests draw from its distribution with the
-request's temperature / top-k / top-p and generator, and return that distribution as q.
+yet). It runs inside kvlab's own machinery, batched: a second page pool (`KVCache` +
+`BlockManager` + `ModelRunner`, the draft model on the kvlab_paged attention) holds one shadow
+sequence per drafted request. Each step every shadow is re-synced -- its table rolled back to the
+longest common prefix of the tokens it holds and the request's committed tokens (rejected drafts
+drop out, their pages go back to the draft's pool) -- then one packed forward computes every
+sequence's missing tokens and drafts the first token, and k - 1 more packed forwards draft the
+rest. A shadow whose pages do not fit the draft pool drafts nothing that step (nothing is
+preempted for a draft). Greedy requests draft the draft model's argmax (a point mass); sampled
+requests draw from its distribution with the request's temperature / top-k / top-p and
+generator, and return that distribution as q.
 """
 
 from __future__ import annotations
@@ -20,64 +24,126 @@ import torch
 from kvlab.drafts.base import DraftModel, Proposal
 from kvlab.registry import DRAFTS
 from kvlab.sampler import probabilities
+from kvlab.sequence import Sequence
 
 
 @DRAFTS.register("model")
 @dataclass
 class ModelDraft(DraftModel):
-    """A small model with the target's tokenizer, run through Hugging Face with its own cache."""
+    """A small model with the target's tokenizer, batched on its own paged KV pool."""
 
     model: str = "smollm2-135m"  # packaged name, local folder, .gguf file or random:<shape> (kvlab.models)
     seed: int = 0  # weights seed of a random:<shape> draft (the target's seed gives the target's weights)
-    _model: torch.nn.Module | None = field(default=None, init=False, repr=False)
-    _states: dict = field(default_factory=dict, init=False, repr=False)  # seq_id -> (DynamicCache, cached token ids)
+    _runner: object = field(default=None, init=False, repr=False)
+    _shadows: dict = field(default_factory=dict, init=False, repr=False)  # target seq_id -> shadow Sequence
 
     def setup(self, engine) -> None:
+        from kvlab import attention
+        from kvlab.allocators.paged import PagedAllocator
+        from kvlab.block_manager import BlockManager
+        from kvlab.kv_cache import KVCache
+        from kvlab.llm_engine import layer_groups
+        from kvlab.model_runner import ModelRunner
         from kvlab.models import load_model
+        from kvlab.registry import QUANT_FORMATS
 
-        loaded = load_model(self.model, dtype=getattr(torch, engine.config.dtype), seed=self.seed)
-        check_same_vocabulary(self.model, loaded, engine.config.model, engine.model_config, engine.tokenizer)
-        self._model = loaded.model.to(engine.config.device).eval()
-        self._states = {}
+        cfg = engine.config
+        dtype = getattr(torch, cfg.dtype)
+        loaded = load_model(self.model, dtype=dtype, attn_implementation=attention.register(), seed=self.seed)
+        check_same_vocabulary(self.model, loaded, cfg.model, engine.model_config, engine.tokenizer)
+        model = loaded.model.to(cfg.device).eval()
+        mc = model.config
+        groups = layer_groups(mc)
+        bs, target = cfg.block_size, engine.block_manager
+        # as many tokens as the target's pool holds, plus room for the drafts of 64 sequences
+        tokens = target.num_blocks * bs // len(target.groups) + 64 * self.max_num_tokens
+        num_blocks = len(groups) * -(-tokens // bs)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim, QUANT_FORMATS.build("auto"), dtype,
+                        cfg.device)
+        self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len,
+                                cfg.max_num_batched_tokens + self.max_num_tokens)
+        self._runner = ModelRunner(model, cache, self._bm, cfg.device)
+        self._shadows = {}
 
-    @torch.inference_mode()
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
-        if self._model is None:
+        if self._runner is None:
             raise RuntimeError("draft 'model' was not set up: the engine calls setup(engine) first")
         live = {s.seq_id for s in seqs}
-        for seq_id in [k for k in self._states if k not in live]:
-            del self._states[seq_id]
-        return [self._propose_one(s, n, g) for s, n, g in zip(seqs, lengths, generators)]
+        for seq_id in [k for k in self._shadows if k not in live]:
+            self._drop(seq_id)
+        shadows = [self._sync(s) for s in seqs]
+        drafted: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(lengths, default=0)):
+            active = [i for i, (sh, n) in enumerate(zip(shadows, lengths)) if sh is not None and j < n]
+            active = [i for i in active if self._grow(shadows, i)]
+            if not active:
+                break
+            logits = self._forward([shadows[i] for i in active])  # [len(active), V]
+            q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
+            for row, i in enumerate(active):
+                if seqs[i].params.greedy:
+                    token = int(q[row].argmax())
+                else:
+                    token = int(torch.multinomial(q[row], 1, generator=generators[i]))
+                    probs[i].append(q[row])
+                drafted[i].append(token)
+                shadows[i].token_ids.append(token)
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
 
-    def _propose_one(self, seq, length: int, generator) -> Proposal:
-        from transformers import DynamicCache
+    # -- the shadow sequences on the draft's pool --------------------------------
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The shadow of `seq`, its cache rolled back to the longest prefix it shares with `seq`'s tokens."""
+        sh = self._shadows.get(seq.seq_id)
+        if sh is not None:
+            keep = common_prefix(sh.token_ids[:sh.num_computed_tokens], seq.token_ids, seq.num_tokens - 1)
+            try:
+                self._bm.rollback(sh, sh.num_computed_tokens - keep)
+                sh.num_computed_tokens = keep
+            except ValueError:  # into pages a sliding window released: start over
+                self._drop(seq.seq_id)
+                sh = None
+        if sh is None:
+            sh = Sequence(seq.seq_id, [], seq.params, seq.max_len + self.max_num_tokens, seq.arrival_time)
+            self._shadows[seq.seq_id] = sh
+        sh.token_ids = list(seq.token_ids)
+        return sh
 
-        tokens = seq.token_ids
-        cache, cached = self._states.get(seq.seq_id, (None, []))
-        keep = common_prefix(cached, tokens, len(tokens) - 1)  # feed at least the last token
-        if cache is None or keep == 0 or (keep < len(cached) and not cache.is_croppable):
-            cache, keep = DynamicCache(config=self._model.config), 0
-        elif keep < len(cached):
-            cache.crop(keep - len(cached))  # drop the rejected drafts (a negative count: tokens to remove)
-        device = next(self._model.parameters()).device
-        feed = tokens[keep:]
-        drafted, probs = [], []
-        for i in range(length):
-            ids = torch.tensor([feed], device=device)
-            pos = torch.arange(len(tokens) + i - len(feed), len(tokens) + i, device=device)[None]
-            logits = self._model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
-                                 logits_to_keep=1).logits[0, -1:].float()  # [1, V]
-            q = probabilities(logits, [seq.params])[0]  # [V]
-            if seq.params.greedy:
-                token = int(q.argmax())
-            else:
-                token = int(torch.multinomial(q, 1, generator=generator))
-                probs.append(q)
-            drafted.append(token)
-            feed = [token]
-        # the cache holds every token fed: the committed ones and all drafts but the last
-        self._states[seq.seq_id] = (cache, list(tokens) + drafted[:-1])
-        return Proposal(drafted, torch.stack(probs) if probs else None)
+    def _grow(self, shadows: list, i: int) -> bool:
+        """Slots for shadow i's uncomputed tokens; False (and the shadow dropped) if the pool is full."""
+        sh, bm = shadows[i], self._bm
+        n = sh.num_uncomputed_tokens
+        held = bm.key(sh, 0) in bm.allocator.tables
+        if held and bm.can_append(sh, n):
+            bm.append(sh, n)
+            return True
+        if not held and bm.can_allocate(sh):
+            bm.allocate(sh, n)
+            return True
+        self._drop(sh.seq_id)
+        shadows[i] = None
+        return False
+
+    def _forward(self, shadows: list[Sequence]) -> torch.Tensor:
+        from kvlab.scheduler import ScheduledBatch
+
+        batch = ScheduledBatch(list(shadows), [sh.num_uncomputed_tokens for sh in shadows])
+        out = self._runner.run(batch)
+        for sh, n in zip(batch.seqs, batch.num_new_tokens):
+            sh.num_computed_tokens += n
+        for sh in shadows:
+            self._bm.release_out_of_window(sh)
+        rows = torch.tensor([r for _, r in out.sample_rows])
+        return out.logits[rows]  # [B, V], in the order of `shadows`
+
+    def forget(self, seq_id: int) -> None:
+        self._drop(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        sh = self._shadows.pop(seq_id, None)
+        if sh is not None and self._bm.key(sh, 0) in self._bm.allocator.tables:
+            self._bm.free(sh)
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
