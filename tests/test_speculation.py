@@ -208,3 +208,56 @@ def test_model_draft_resyncs_its_pages_after_partial_acceptance():
         assert bm.allocator.num_used_blocks == -(-shadow.num_computed_tokens // 4)
     draft.forget(0)
     assert draft._bm.allocator.num_free_blocks == draft._bm.num_blocks
+
+
+def two_sample_chi_square(a: list, b: list) -> tuple[float, int]:
+    """Pearson's two-sample statistic for equal-sized samples; cells with < 10 draws pooled into one."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cells, rare_a, rare_b = [], 0, 0
+    for key in set(ca) | set(cb):
+        if ca[key] + cb[key] >= 10:
+            cells.append((ca[key], cb[key]))
+        else:
+            rare_a, rare_b = rare_a + ca[key], rare_b + cb[key]
+    if rare_a + rare_b:
+        cells.append((rare_a, rare_b))
+    return sum((x - y) ** 2 / (x + y) for x, y in cells), len(cells) - 1
+
+
+@pytest.mark.heavy
+def test_sampled_outputs_follow_the_plain_distribution():
+    """End to end: 2,000 seeded sampled requests (temperature 1, top-k 4) with a draft of other weights
+    (nearly every draft rejected: the corrections carry the distribution) give the same distribution
+    of the 2nd and 3rd output tokens as plain sampling (two-sample chi-square at 99.9%)."""
+    from test_verifier import chi2_critical
+
+    n, prompt = 2000, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    engine = dict(block_size=16, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)
+    sp = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(n)]
+    plain_out = [o.token_ids for o in LLM(MODEL, **engine).generate([prompt] * n, sp)]
+    llm = LLM(MODEL, draft="model", draft_args={"model": MODEL, "seed": 1, "num_tokens": 2}, **engine)
+    spec_out = [o.token_ids for o in llm.generate([prompt] * n, sp)]
+    assert llm.stats()["spec_drafted_tokens"] >= n
+    assert [o[0] for o in spec_out] == [o[0] for o in plain_out]  # the prefill's token: same stream
+    for index in (1, 2):
+        stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
+        assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
+
+
+@pytest.mark.model
+def test_smollm2_greedy_with_ngram_matches_plain(fresh_model):
+    """SmolLM2-135M, batch 8, on prompts that invite copying: the n-gram draft's tokens are accepted
+    in runs and the output is token-identical to plain greedy decoding."""
+    import copy
+
+    loaded = fresh_model("smollm2-135m")
+    texts = [f"Repeat this sentence three times: the {w} sat on the mat near the door." for w in
+             ("cat", "dog", "old man", "child", "bird", "teacher", "farmer", "king")]
+    batch = [loaded.tokenizer(t)["input_ids"] for t in texts]
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=16).generate(batch, sp)]
+    llm = LLM("smollm2-135m", loaded=loaded, block_size=16, draft="ngram", draft_args={"num_tokens": 4})
+    assert [o.token_ids for o in llm.generate(batch, sp)] == ref
+    assert llm.stats()["spec_mean_accepted_length"] > 1.5
