@@ -61,8 +61,8 @@ class ModelDraft(DraftModel):
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim, QUANT_FORMATS.build("auto"), dtype,
                         cfg.device)
-        self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len,
-                                cfg.max_num_batched_tokens + self.max_num_tokens)
+        # a shadow computes its whole prompt in one pass (max_chunk = the context): admission counts every token
+        self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len, engine.max_model_len)
         self._runner = ModelRunner(model, cache, self._bm, cfg.device)
         self._shadows = {}
 
