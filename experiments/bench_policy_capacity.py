@@ -5,10 +5,13 @@ found that the memory a policy saves often does not turn into throughput: this m
 assuming it. Every policy compresses each prompt once at the end of prefill (`when="prefill"`); the pages
 it evicts go back to the shared pool, where the scheduler admits more sequences.
 
-Workload: --num-requests WikiText-2 prompts of --min-len..--max-len tokens, all queued at t=0, greedy,
---max-tokens new tokens each (EOS ignored). One process, policies in turn, --repeats rounds (medians).
+Workload: --num-requests WikiText-2 prompts of --min-len..--max-len tokens, or with --trace the prompt
+lengths of the Azure production trace (`code`: long prompts, median 1,469 tokens; clipped to --max-len,
+text cut from WikiText-2), all queued at t=0, greedy, --max-tokens new tokens each (EOS ignored). One
+process, policies in turn, --repeats rounds (medians).
 
     python experiments/bench_policy_capacity.py                       # about 15 minutes on 2 quiet cores
+    python experiments/bench_policy_capacity.py --trace code --max-len 1536 --kv-memory 160MiB --repeats 3
     python experiments/bench_policy_capacity.py --model random:llama-tiny --num-requests 4 --out /tmp/cap
 """
 
@@ -66,7 +69,13 @@ def main(argv=None) -> dict:
     meta = metadata(args)
     loaded = load_model(args.model)
     vocab = loaded.model.config.vocab_size
-    if loaded.tokenizer is not None:
+    if args.trace:
+        from kvlab.workloads.azure import load_azure_trace
+
+        requests = load_azure_trace(args.trace, args.num_requests, get_tokenizer(loaded), max_context=args.max_len,
+                                    max_output=args.max_tokens, seed=args.seed)
+        prompts = [r.prompt_token_ids for r in requests]
+    elif loaded.tokenizer is not None:
         prompts = make_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
     else:
         g = torch.Generator().manual_seed(args.seed)
@@ -101,8 +110,10 @@ def report(results: dict, meta: dict, args) -> str:
              f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
              f"Machine: {meta['machine']}  ",
              f"Load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']}  ", "",
-             f"{args.num_requests} prompts of {args.min_len}-{args.max_len} tokens (mean "
-             f"{results['mean_prompt_len']:.0f}), {args.max_tokens} new tokens each, all queued at t=0; KV budget "
+             (f"{args.num_requests} prompts with the lengths of the first rows of the Azure {args.trace} trace, "
+              f"clipped to {args.max_len} tokens (mean " if args.trace else
+              f"{args.num_requests} prompts of {args.min_len}-{args.max_len} tokens (mean ")
+             + f"{results['mean_prompt_len']:.0f}), {args.max_tokens} new tokens each, all queued at t=0; KV budget "
              f"{args.kv_memory}, block {args.block_size}, max_num_batched_tokens {args.max_batched_tokens}; "
              f"policies at compression_ratio {args.ratio}, once at the end of prefill. Medians of {args.repeats} "
              f"rounds. tok/s counts generated tokens per second of engine time.", "",
@@ -117,6 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=["snapkv", "streaming_llm", "knorm"])
     p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio of every policy")
     p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--trace", default=None, help="Azure trace (code, conv or a CSV path) giving the prompt lengths")
     p.add_argument("--min-len", type=int, default=700)
     p.add_argument("--max-len", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=48)

@@ -79,7 +79,6 @@ def paged_attention_forward(
     if kvlab_meta is None:
         raise RuntimeError("kvlab_paged attention runs only inside the kvlab engine (no kvlab_meta given)")
     meta, layer = kvlab_meta, module.layer_idx
-    group = meta.cache.group_of[layer]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if softcap is None:
@@ -87,12 +86,19 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     if meta.query_rows is not None:
         meta.queries[layer] = q.index_select(0, meta.query_rows)  # [W, Hq, D]
-    meta.cache.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping[group])
-    scales = meta.cache.scales[layer] or (None, None)
-    out = ops.run_paged_attention(q, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,
-                                  softcap, *scales, return_stats=meta.collect_stats)  # [T, Hq, D]
-    if meta.collect_stats:  # attention mass each cached key received from this step's queries
-        out, meta.stats[layer] = out
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    entries = meta.cache.groups_of[layer]  # [(group, KV head)]: one, or one per KV head (per-head tables)
+    outs = []
+    for group, head in entries:
+        meta.cache.store(layer, key, value, meta.slot_mapping[group], head)
+        qh = q if head is None else q.unflatten(1, (key.shape[1], -1))[:, head]  # [T, Hq or g, D]
+        out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), meta.plans[group], scaling,
+                                      softcap, *meta.cache.head_scales(layer, head),
+                                      return_stats=meta.collect_stats)  # [T, Hq or g, D]
+        if meta.collect_stats:  # attention mass each cached key received from this step's queries
+            out, meta.stats[layer] = out
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
     return out.unsqueeze(0), None
 
 

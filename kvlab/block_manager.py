@@ -29,18 +29,24 @@ from kvlab.sequence import Sequence
 class LayerGroup:
     layers: tuple[int, ...]
     sliding_window: int | None = None  # attend to the last `sliding_window` keys only
+    head: int | None = None  # the one KV head this group's pages hold (per-head budgets); None: every KV head
 
     @property
     def kind(self) -> str:
         return "full" if self.sliding_window is None else f"window{self.sliding_window}"
 
 
-def equal_groups(layer_windows: list[int | None], size: int | None = None) -> list[LayerGroup]:
+def equal_groups(layer_windows: list[int | None], size: int | None = None,
+                 num_heads: int | None = None) -> list[LayerGroup]:
     """Split layers (window of each, None = full attention) into groups of one kind and equal size.
 
     The size is the gcd of the kinds' layer counts unless given (1: a table per layer, for per-layer
     eviction), so every page has the same size; layers of a kind go to groups in order (Gemma 3's
-    15 sliding + 3 full layers: groups of 3)."""
+    15 sliding + 3 full layers: groups of 3). `num_heads`: a group per (layer, KV head), whose pages
+    hold that head only (per-head budgets: each head keeps its own number of tokens)."""
+    if num_heads is not None:
+        return [LayerGroup((layer,), window, head) for layer, window in enumerate(layer_windows)
+                for head in range(num_heads)]
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(window, []).append(layer)

@@ -38,6 +38,12 @@ class Compressor:
         self.dtype = compute_dtype
         self.num_layers = sum(len(g.layers) for g in block_manager.groups)
         self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
+        self.layers: dict[int, list[int]] = {}  # full-attention layer -> its groups (one per KV head with head_budgets)
+        for g in self.groups:
+            self.layers.setdefault(block_manager.groups[g].layers[0], []).append(g)
+        if policy.head_budgets and policy.needs_attention_stats:
+            raise ValueError(f"{type(policy).__name__}: per-head budgets cannot use accumulated attention statistics "
+                             f"yet (the statistics are gathered per layer)")
         self._decode_steps: dict[int, int] = {}
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
         self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
@@ -95,6 +101,8 @@ class Compressor:
                         kept[layer] = torch.cat([kept[layer], q[i]])[-w:] if layer in kept else q[i][-w:]
             if is_due:
                 self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
+                if self.policy.when != "decode" and seq.num_computed_tokens >= prompt_end:
+                    self._queries.pop(seq.seq_id, None)  # never read again
 
     def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor]) -> None:
         """Add the step's attention mass to each cached key's running total (H2O's accumulated attention)."""
@@ -117,19 +125,55 @@ class Compressor:
         mass = mass if mass is not None else {}
         t0 = time.perf_counter()
         before = self.bm.num_used_blocks()
-        for g in self.groups:
-            layer = self.bm.groups[g].layers[0]
+        self.policy.begin(seq.num_computed_tokens)
+        for layer, groups in self.layers.items():
+            if len(groups) > 1:  # a table per KV head: each head keeps its own number of tokens
+                self._compress_heads(seq, layer, groups, queries)
+                continue
+            g = groups[0]
             keys, values = self.gather(seq, g, layer)
             keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer))
-            if keep is not None:
+            if keep is None:
+                continue
+            if keep and isinstance(keep[0], list):  # a kept list per KV head
+                self._compact_per_head(seq, g, keep)
+            else:
                 self.cache.move_slots(self.bm.compact(seq, g, keep))
-                if layer in mass:  # the running totals follow their keys
-                    mass[layer] = mass[layer][torch.tensor(keep, dtype=torch.long, device=mass[layer].device)]
+            if layer in mass:  # the running totals follow their keys
+                index = torch.tensor(keep, dtype=torch.long, device=mass[layer].device)
+                mass[layer] = mass[layer].gather(0, index.T) if index.ndim == 2 else mass[layer][index]
         freed = before - self.bm.num_used_blocks()
         self.calls += 1
         self.pages_freed += freed
         self.seconds += time.perf_counter() - t0
         return freed
+
+    def _compress_heads(self, seq: Sequence, layer: int, groups: list[int], queries: dict[int, torch.Tensor]) -> None:
+        """One layer whose KV heads have tables of their own (groups[h] holds head h)."""
+        parts = [self.gather(seq, g, layer) for g in groups]  # per head ([L_h, 1, D], [L_h, 1, D])
+        if len({k.shape[0] for k, _ in parts}) != 1:
+            raise RuntimeError(f"layer {layer}: KV heads hold different numbers of tokens "
+                               f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
+        keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None)
+        if keep is None:
+            return
+        per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
+        for g, kept in zip(groups, per_head):
+            self.cache.move_slots(self.bm.compact(seq, g, kept))
+
+    def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]]) -> None:
+        """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many
+        slots (the pages after them are freed) and head h's survivors move into them, in order."""
+        n, m = self.bm.cached_lens([seq], group)[0], len(keep[0])
+        if any(len(k) != m for k in keep):
+            raise ValueError(f"{type(self.policy).__name__}.select kept {[len(k) for k in keep]} tokens per KV head: "
+                             f"a layer's heads must keep as many (per-head budgets need head_budgets = True)")
+        device = self.cache.k(self.bm.groups[group].layers[0]).device
+        old = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=device)  # [n]
+        self.bm.compact(seq, group, list(range(m)))  # its moves are superseded by the per-head ones below
+        new = torch.tensor(self.bm.slot_ids(seq, group, 0, m), dtype=torch.long, device=device)  # [m]
+        self.cache.move_head_slots(old[torch.tensor(keep, dtype=torch.long, device=device)], new)
 
     def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""

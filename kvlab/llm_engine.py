@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from kvlab import attention
+from kvlab.allocators.base import Allocator
 from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.compressor import Compressor
 from kvlab.engine_config import EngineConfig
@@ -35,16 +36,18 @@ from kvlab.sequence import Sequence
 from kvlab.speculation import Speculator
 
 
-def layer_groups(config, per_layer: bool = False) -> list[LayerGroup]:
+def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
     """Layers grouped by attention kind (full, or a sliding window: Gemma 2/3, Mistral) into groups of
-    equal size, so that every page of the shared pool has one size; `per_layer`: one layer a group."""
+    equal size, so that every page of the shared pool has one size; `per_layer`: one layer a group;
+    `per_head`: one (layer, KV head) a group (a model with one KV head needs no split)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
     types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+    heads = config.num_key_value_heads if per_head and config.num_key_value_heads > 1 else None
     return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types],
-                        1 if per_layer else None)
+                        1 if per_layer or heads else None, heads)
 
 
 def as_token_ids(ids) -> list[int]:
@@ -70,9 +73,12 @@ class LLMEngine:
         load_plugins()
         self.config = config
         # resolve every plugin before the (slow) model load so bad names fail at once
-        ALLOCATORS.build(config.allocator, **config.allocator_args)
+        allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        if self.policy.compresses and type(allocator).compact is Allocator.compact:
+            raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
+                             f"cannot do (it has no compact()); use allocator 'paged' or 'contiguous'")
         self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
         if self.draft is not None and self.policy.compresses:
             raise ValueError(f"draft {config.draft!r} with policy {config.policy!r}: speculative decoding does not "
@@ -98,11 +104,12 @@ class LLMEngine:
         eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
 
-        groups = layer_groups(mc, per_layer=self.policy.compresses)
+        groups = layer_groups(mc, per_layer=self.policy.compresses, per_head=self.policy.head_budgets)
         num_kv_heads = mc.num_key_value_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
         num_blocks = int(config.kv_cache_memory // per_block)
+        self.bytes_per_block = per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
@@ -118,6 +125,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
             if self.policy.compresses else None
+        if self.compressor:
+            self.policy.bind(self.model)
         self.speculator = None
         if self.draft is not None:
             self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
@@ -356,6 +365,8 @@ class LLMEngine:
         n_full = len(self.block_manager.full_groups)
         live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
         summary = self.metrics.summary(live)
+        for key in ("peak", "mean"):  # KV bytes held: pages held times what a page costs (scales included)
+            summary[f"kv_bytes_{key}"] = summary[f"kv_blocks_{key}"] * self.bytes_per_block
         if self.compressor:
             summary.update(self.compressor.stats())
         if self.speculator:

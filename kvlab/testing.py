@@ -77,8 +77,9 @@ def _check_held(llm: LLM, prompt: list[int], checks) -> None:
     seq = engine.scheduler.waiting[0]
     while seq.num_computed_tokens < len(prompt):
         engine.step()
-    num_layers = sum(len(g.layers) for g in bm.groups)
+    num_layers = len({layer for group in bm.groups for layer in group.layers})
     held = held_full = 0
+    per_layer: dict[int, list[int]] = {}  # full-attention layer -> tokens held by each of its tables
     for g, group in enumerate(bm.groups):  # sliding-window layers are bounded by their window, not compressed
         n = bm.cached_lens([seq], g)[0]
         pages = [b for b in bm.block_tables([seq], g)[0] if b >= 0]
@@ -86,12 +87,15 @@ def _check_held(llm: LLM, prompt: list[int], checks) -> None:
         if group.sliding_window is not None:
             continue
         held_full += len(pages)
-        if "budget" in checks:
-            want = policy.layer_budget(group.layers[0], num_layers, len(prompt))
-            assert n <= want, f"{engine.config.policy}: layer {group.layers[0]} holds {n} tokens, budget {want}"
+        per_layer.setdefault(group.layers[0], []).append(n)
         if "memory" in checks:
             assert len(pages) == -(-n // bm.block_size), (
                 f"{engine.config.policy}: layer {group.layers[0]} holds {len(pages)} pages for {n} tokens")
+    if "budget" in checks:  # with a table per KV head (per-head budgets) the heads share the layer's budget
+        for layer, lens in per_layer.items():
+            want = policy.layer_budget(layer, num_layers, len(prompt))
+            assert sum(lens) <= want * len(lens), (
+                f"{engine.config.policy}: layer {layer} holds {lens} tokens, budget {want} per table")
     if "memory" in checks:
         full_pages = len(bm.full_groups) * -(-len(prompt) // bm.block_size)
         assert bm.num_used_blocks() == held and held_full < full_pages, (

@@ -12,15 +12,19 @@ Lower-level hooks for policies that need more: `select` (the kept indices of one
 for chunk-level or structured selection) and `layer_budget` (per-layer budget schedules, e.g.
 PyramidKV). Wrappers compose by holding another policy.
 
-The kept set is shared by the KV heads of a layer (scores are summed over heads), so the memory
-freed is real; per-KV-head budgets (AdaKV) need tables per head and are not supported yet.
+Per KV head (`per_head=True`, the default, as kvpress): every KV head of a layer keeps its own
+`budget` tokens (top-k of its own column of scores). Each head's survivors are packed into the
+first `budget` slots of the layer's table for that head, so all heads hold the same number of slots
+and the pages after them are freed: the memory saved is real. `per_head=False` keeps one set per
+layer (scores summed over heads). Per-head budgets that differ between heads (AdaKV) give each
+(layer, KV head) a table of its own (`head_budgets`, kvlab.policies.adakv).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Union
 
 import torch
 
@@ -37,8 +41,10 @@ class Policy(ABC):
     compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention; neither given: 0)
     when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk; "decode": also while decoding
     every: int = 64  # with when="decode": compress again after this many decode steps
+    per_head: bool = True  # every KV head keeps its own tokens (kvpress); False: one set per layer (scores summed)
 
     compresses: ClassVar[bool] = True  # False: the engine never calls the policy (full cache)
+    head_budgets: ClassVar[bool] = False  # True: KV heads keep different numbers of tokens (a table per head)
     needs_attention_stats: ClassVar[bool] = False  # True: the engine accumulates, per cached key, the attention
     # mass it received from every query since it was cached, and passes it to `score` as `attn_stats`
 
@@ -61,6 +67,16 @@ class Policy(ABC):
             raise ValueError(f"when must be one of {', '.join(WHEN)}, got {self.when!r}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an integer >= 1 (decode steps), got {self.every!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"per_head must be true or false, got {self.per_head!r}")
+
+    # -- lifecycle -------------------------------------------------------------
+    def bind(self, model: torch.nn.Module) -> None:
+        """Called once by the engine with the model it serves (e.g. to read its rotary embedding)."""
+
+    def begin(self, seq_len: int) -> None:
+        """Called before a sequence is compressed: `seq_len` tokens have KV (the queries handed to
+        `score` are those of the latest of them, at positions seq_len - W .. seq_len - 1)."""
 
     # -- the budget --------------------------------------------------------------
     def layer_budget(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
@@ -82,8 +98,9 @@ class Policy(ABC):
         """Importance of every cached token per KV head."""
 
     def select(self, layer_idx: int, num_layers: int, keys: torch.Tensor, values: torch.Tensor,
-               queries: torch.Tensor | None, attn_stats: torch.Tensor | None) -> list[int] | None:
-        """Sorted cache indices one layer keeps, or None to keep all (default: top-k of the summed score)."""
+               queries: torch.Tensor | None, attn_stats: torch.Tensor | None) -> Kept:
+        """The cache indices one layer keeps: None (all), one sorted list shared by the KV heads, or one
+        sorted list per KV head, all of one length (default: top-k of the scores, per head or summed)."""
         n = keys.shape[0]
         keep = self.layer_budget(layer_idx, num_layers, n)
         if keep >= n:
@@ -91,7 +108,21 @@ class Policy(ABC):
         scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]
         if scores is None:
             return None
-        return sorted(scores.float().sum(dim=-1).topk(keep).indices.tolist())
+        return top_k(scores, keep, self.per_head)
+
+
+Kept = Union[list[int], list[list[int]], None]
+
+
+def top_k(scores: torch.Tensor, keep: int, per_head: bool) -> list[int] | list[list[int]]:
+    """The `keep` best cache indices of scores [L, Hkv], sorted: per KV head ([Hkv][keep], as kvpress: top-k
+    along each head's row) or one list for the layer (scores summed over heads). Heads that agree give
+    one list."""
+    scores = scores.float()
+    if not per_head or scores.shape[1] == 1:
+        return sorted(scores.sum(dim=-1).topk(keep).indices.tolist())
+    heads = scores.T.contiguous().topk(keep, dim=-1).indices.sort(dim=-1).values.tolist()  # [Hkv][keep]
+    return heads[0] if all(h == heads[0] for h in heads[1:]) else heads
 
 
 POLICIES.base = Policy

@@ -4,7 +4,7 @@ observation window pays them, so kept tokens keep their neighbours."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.policies.snapkv import SnapKV, snap_scores
 from kvlab.registry import POLICIES
@@ -13,25 +13,34 @@ from kvlab.registry import POLICIES
 @POLICIES.register("chunkkv")
 @dataclass
 class ChunkKV(SnapKV):
-    """chunk_size: tokens per chunk (the paper's 10); window_size / kernel_size: SnapKV's scoring (64 / 5).
+    """chunk_size: tokens per chunk (the paper's 10); window_size / kernel_size: SnapKV's scoring (64 / 5);
+    reuse_layers: layer-wise index reuse (the paper's section 3.3): layers are taken in runs of this many
+    and every layer of a run keeps the chunks the run's first layer chose (1 = every layer chooses).
 
     The budget is filled with whole chunks, best first (a last partial chunk where the budget ends);
-    the observation window is always kept. The paper's layer-wise index reuse (adjacent layers sharing
-    one selection) is not built: every layer selects its own chunks.
+    the observation window is always kept. One set per layer, shared by its KV heads (chunks are
+    scored over all heads, as the paper does).
     """
 
     chunk_size: int = 10
+    reuse_layers: int = 1
+    _chosen: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (first layer, n, kept)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        for name in ("chunk_size", "reuse_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def select(self, layer_idx, num_layers, keys, values, queries, attn_stats):
         n = keys.shape[0]
         keep = self.layer_budget(layer_idx, num_layers, n)
         if keep >= n:
             return None
+        first = layer_idx - layer_idx % self.reuse_layers
+        if self._chosen is not None and self._chosen[:2] == (first, n) and layer_idx != first:
+            return self._chosen[2]  # the engine compresses a sequence's layers in order: the run's first chose
         token = snap_scores(queries, keys, self.kernel_size).sum(dim=-1)  # [L]; the window scores highest
         pad = (-n) % self.chunk_size
         chunk = token.new_zeros(n + pad)
@@ -43,4 +52,6 @@ class ChunkKV(SnapKV):
             kept.extend(span[: keep - len(kept)])
             if len(kept) == keep:
                 break
-        return sorted(kept)
+        kept = sorted(kept)
+        self._chosen = (first, n, kept) if layer_idx == first else None
+        return kept

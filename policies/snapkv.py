@@ -41,11 +41,13 @@ class SnapKV(Policy):
 
 def snap_scores(queries: torch.Tensor, keys: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """[L, Hkv]: the window's mean attention over the keys before the window, pooled with a centred
-    average of `kernel_size` (zero padding counted, as kvpress does); the window's own keys get the
-    maximum plus one, so they are kept first."""
+    average of `kernel_size` (zero padding counted, as kvpress does); the window's own keys score above
+    every vote (more recent higher, for a budget smaller than the window: kvpress refuses that case)."""
     W, L = queries.shape[0], keys.shape[0]
     probs = window_attention(queries, keys)  # [Hkv, g, W, L]: softmax over every key, window included
     votes = probs[..., : L - W].mean(dim=(1, 2))  # [Hkv, L - W]
-    votes = F.avg_pool1d(votes[:, None], kernel_size, padding=kernel_size // 2, stride=1)[:, 0]  # [Hkv, L - W]
+    if L > W:
+        votes = F.avg_pool1d(votes[:, None], kernel_size, padding=kernel_size // 2, stride=1)[:, 0]  # [Hkv, L - W]
     top = votes.max() + 1.0 if votes.numel() else torch.ones((), device=keys.device)
-    return torch.cat([votes, top.expand(votes.shape[0], W)], dim=1).T  # [L, Hkv]
+    window = top + torch.arange(W, device=keys.device, dtype=votes.dtype) / W  # [W]
+    return torch.cat([votes, window.expand(votes.shape[0], W)], dim=1).T  # [L, Hkv]

@@ -23,6 +23,8 @@ BUILTINS = {  # policy -> arguments that compress ~100-token prompts
     "pyramidkv": {"budget": 32, "window_size": 8},
     "chunkkv": {"budget": 32, "window_size": 8, "chunk_size": 5},
     "h2o": {"budget": 32, "recent": 8},
+    "expected_attention": {"budget": 32, "n_future_positions": 64},
+    "adakv": {"budget": 32, "scorer_args": {"window_size": 8}},
 }
 
 

@@ -1,0 +1,89 @@
+"""AdaKV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient
+LLM Inference", arXiv:2407.11550): the layer's budget (`budget` x KV heads) is shared by its KV heads
+adaptively -- the best-scored tokens over all heads of a layer are kept, so a head whose attention is
+concentrated keeps few tokens and a dispersed head keeps many -- with a safeguard: every head keeps at
+least `alpha_safeguard` of the uniform budget.
+
+A wrapper: the scores come from another policy (`scorer`, SnapKV by default as in the paper; kvpress pairs
+it with Expected Attention). kvpress masks the evicted keys of each head (its docstring: this "does not
+reduce peak memory"); here every (layer, KV head) has a table of its own (`head_budgets`), so each head's
+evicted tokens free their pages. Compresses once, at the end of prefill (as the paper and kvpress do):
+after that the heads hold different numbers of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvlab.policies.base import Policy
+from kvlab.registry import POLICIES
+
+
+@POLICIES.register("adakv")
+@dataclass
+class AdaKV(Policy):
+    """scorer / scorer_args: the policy whose `score` ranks tokens per KV head (its own budget is unused);
+    alpha_safeguard: the fraction of the uniform budget every head keeps at least (the paper's and
+    kvpress's 0.2; at least one token)."""
+
+    scorer: str = "snapkv"
+    scorer_args: dict = field(default_factory=dict)
+    alpha_safeguard: float = 0.2
+    head_budgets: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ValueError(f"alpha_safeguard must be in [0, 1], got {self.alpha_safeguard!r}")
+        if self.when != "prefill":
+            raise ValueError(f"adakv compresses once, at the end of prefill (when='prefill'), got when={self.when!r}: "
+                             f"after it the heads hold different numbers of tokens")
+        if not isinstance(self.scorer_args, dict):
+            raise ValueError(f"scorer_args must be a mapping of the scorer's parameters, got {self.scorer_args!r}")
+        try:
+            inner = POLICIES.build(self.scorer, **self.scorer_args)
+        except KeyError as exc:  # an unknown scorer name
+            raise ValueError(f"adakv scorer: {exc}") from None
+        if not inner.compresses or inner.head_budgets or inner.needs_attention_stats:
+            raise ValueError(f"adakv's scorer must be a scoring policy without per-head budgets or accumulated "
+                             f"attention statistics, got {self.scorer!r}")
+        self._inner = inner
+
+    @property
+    def query_window(self) -> int:
+        return self._inner.query_window
+
+    def bind(self, model: torch.nn.Module) -> None:
+        self._inner.bind(model)
+
+    def begin(self, seq_len: int) -> None:
+        self._inner.begin(seq_len)
+
+    def score(self, layer_idx, keys, values, queries, attn_stats):
+        return self._inner.score(layer_idx, keys, values, queries, attn_stats)
+
+    def select(self, layer_idx, num_layers, keys, values, queries, attn_stats):
+        n, heads = keys.shape[:2]
+        keep = self.layer_budget(layer_idx, num_layers, n)
+        if keep >= n:
+            return None
+        scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]
+        if scores is None:
+            return None
+        return adaptive_top_k(scores, keep, self.alpha_safeguard)
+
+
+def adaptive_top_k(scores: torch.Tensor, keep: int, alpha: float) -> list[list[int]]:
+    """Per KV head, the sorted cache indices kept when the heads share `keep * Hkv` slots: every head's best
+    max(1, int(keep * alpha)) first, then the best remaining scores over all heads."""
+    scores = scores.float().T.clone()  # [Hkv, L]
+    heads, n = scores.shape
+    safe = max(1, int(keep * alpha))
+    scores.scatter_(1, scores.topk(safe, dim=1).indices, torch.inf)
+    chosen = scores.flatten().topk(keep * heads).indices  # [keep * Hkv] over (head, token)
+    mask = torch.zeros(heads * n, dtype=torch.bool)
+    mask[chosen] = True
+    return [row.nonzero()[:, 0].tolist() for row in mask.view(heads, n)]
