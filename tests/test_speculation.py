@@ -252,6 +252,7 @@ def test_sampled_outputs_follow_the_plain_distribution():
 
 
 @pytest.mark.model
+@pytest.mark.heavy  # two SmolLM2 generations at batch 8: ~30 s on quiet cores
 def test_smollm2_greedy_with_ngram_matches_plain(fresh_model):
     """SmolLM2-135M, batch 8, on prompts that invite copying: the n-gram draft's tokens are accepted
     in runs and the output is token-identical to plain greedy decoding."""
