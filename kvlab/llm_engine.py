@@ -29,12 +29,13 @@ from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import RequestOutput, ScoreOutput
 from kvlab.prefix_cache import PrefixCache, PrefixStats
-from kvlab.registry import ALLOCATORS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
+from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
 from kvlab.sparse_read import SparseRead, SparseReadPolicy, check_engine
+from kvlab.speculation import Speculator
 
 
 def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
@@ -109,10 +110,14 @@ class LLMEngine:
         PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
         if config.enable_prefix_caching:
             self._check_prefix_caching(config)
-        if config.draft is not None:
-            raise NotImplementedError(
-                f"draft {config.draft!r}: speculative decoding is not in the engine yet; leave draft=None"
-            )
+        self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
+        if self.draft is not None and self.policy.compresses:
+            raise ValueError(f"draft {config.draft!r} with policy {config.policy!r}: speculative decoding does not "
+                             f"run with a compressing policy yet (tentative slots and compaction share cache "
+                             f"indices); use policy='full' or draft=None")
+        if self.draft is not None and config.enable_prefix_caching:
+            raise ValueError(f"draft {config.draft!r} with enable_prefix_caching is not supported yet (committed "
+                             f"tokens alone should be hashed, which nothing checks yet); use one or the other")
         ops.set_backend(config.kernel_backend)
         check_backend_reads(self.quant, config)
         dtype = getattr(torch, config.dtype)
@@ -168,6 +173,10 @@ class LLMEngine:
             if self.policy.compresses else None
         if self.compressor:
             self.policy.bind(self.model)
+        self.speculator = None
+        if self.draft is not None:
+            self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
+            self.speculator = Speculator(self.draft, mc.vocab_size)
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}
@@ -205,6 +214,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = as_token_ids(prompt_token_ids)
+        if params.n > 1 and self.speculator is not None:
+            raise ValueError(f"SamplingParams(n={params.n}) with draft {self.config.draft!r} is not supported yet "
+                             f"(forked samples would share tentative slots); use n=1 or draft=None")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         vocab = self.model_config.vocab_size
@@ -302,6 +314,8 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_time = time.perf_counter()
+        if self.speculator:
+            self.speculator.forget(seq)
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
         self.metrics.discard(seq.seq_id)
@@ -322,6 +336,8 @@ class LLMEngine:
         requests that caused it, or they fail again).
         """
         t0 = time.perf_counter()
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running, self._generators)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -337,18 +353,19 @@ class LLMEngine:
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
             spawned = self._spawn_samples(out)
             tokens = self._sample(out)
+            verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
         except BaseException:
             for _, children in spawned:
                 for child in children:
                     self._generators.pop(child.seq_id, None)
             self.scheduler.unschedule(batch)
             raise
-        self.scheduler.advance(batch)
+        self.scheduler.advance(batch, rejected)
         self._admit_samples(spawned)
         self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:
             self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
-        finished = self._postprocess(out, tokens)
+        finished = self._postprocess(out, tokens, verified)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
         outputs = [self.make_output(seq) for seq in finished]
@@ -408,16 +425,20 @@ class LLMEngine:
         seqs = [s for s, _ in out.sample_rows]
         return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
 
-    def _postprocess(self, out, tokens: list[int]) -> list[Sequence]:
+    def _postprocess(self, out, tokens: list[int], verified: list[tuple[Sequence, list[int]]] = ()) -> list[Sequence]:
+        """Append each sequence's new tokens (one, or a verified speculative run) one by one: a stop
+        inside a run drops the tokens after it."""
         now = time.perf_counter()
         finished: list[Sequence] = []
-        for (seq, _), token in zip(out.sample_rows, tokens):
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason:
-                finished.append(self._finish(seq, reason, now))
+        for seq, run in [(seq, [token]) for (seq, _), token in zip(out.sample_rows, tokens)] + list(verified):
+            for token in run:
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    finished.append(self._finish(seq, reason, now))
+                    break
         for seq, rows, targets in out.score_rows:
             logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
             seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
@@ -440,6 +461,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         if self.compressor:
             self.compressor.forget(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
         seq.finish_time = now
         self._generators.pop(seq.seq_id, None)
         self._return_dists.discard(seq.seq_id)
@@ -474,6 +497,8 @@ class LLMEngine:
                            prefix_cached_free_pages=pc.num_parked)
         if self.cache.sparse_read is not None:
             summary.update(self.cache.sparse_read.stats())
+        if self.speculator:
+            summary.update(self.speculator.stats(self.metrics.busy_s))
         return summary
 
     def reset_stats(self) -> None:
@@ -485,3 +510,5 @@ class LLMEngine:
             self.compressor.reset_stats()
         if self.cache.sparse_read is not None:
             self.cache.sparse_read.reset_stats()
+        if self.speculator:
+            self.speculator.reset_stats()

@@ -26,6 +26,7 @@ class StepOutput:
     score_rows: list[tuple[Sequence, list[int], list[int]]]  # scoring: (seq, rows, target token ids)
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> per seq [W, Hq, D]
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached] attention mass
+    verify_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # drafted: (seq, k + 1 rows)
 
 
 class ModelRunner:
@@ -41,7 +42,7 @@ class ModelRunner:
         """One forward pass; `query_rows[i]`: keep the queries of the last that many tokens of
         sequence i's chunk in every layer (for the cache policy), 0 for none; `stats`: return the
         attention mass every cached key received in every layer."""
-        input_ids, positions, meta, keep, sample_rows, score_rows = self.prepare(batch)
+        input_ids, positions, meta, keep, sample_rows, score_rows, verify_rows = self.prepare(batch)
         meta.collect_stats = stats
         counts = []
         if query_rows:
@@ -60,7 +61,8 @@ class ModelRunner:
             kvlab_meta=meta,
         )
         queries = {layer: list(q.split(counts)) for layer, q in meta.queries.items()} if counts else {}
-        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries, meta.stats)
+        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries=queries, stats=meta.stats,
+                          verify_rows=verify_rows)
 
     def prepare(self, batch: ScheduledBatch):
         ids: list[int] = []
@@ -69,10 +71,18 @@ class ModelRunner:
         keep: list[int] = []
         sample_rows: list[tuple[Sequence, int]] = []
         score_rows: list[tuple[Sequence, list[int], list[int]]] = []
+        verify_rows: list[tuple[Sequence, list[int]]] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.draft_token_ids)  # tentative tokens after the last one (the scheduler fitted them)
             positions.extend(range(start, end))
+            if seq.draft_token_ids:  # speculation: logits after the last token and after every draft token
+                k = len(seq.draft_token_ids)
+                verify_rows.append((seq, list(range(len(keep), len(keep) + k + 1))))
+                keep.extend(range(offset + n - k - 1, offset + n))
+                offset += n
+                continue
             if seq.is_scoring:  # rows whose next token is a target not scored yet (none twice after a preemption)
                 lo = max(start, seq.score_from - 1 + seq.num_scored_tokens)
                 hi = min(end, seq.num_tokens - 1)
@@ -95,5 +105,6 @@ class ModelRunner:
             torch.tensor(keep, dtype=torch.int64, device=dev),
             sample_rows,
             score_rows,
+            verify_rows,
         )
 

@@ -38,14 +38,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float64)
-        sub = logits[idx].double()  # [R, V]
-        # shift by the row max and divide in float64: any positive temperature, however small,
-        # leaves the best token at 0 and the rest <= 0 (at worst -inf), never NaN
-        sub = ((sub - sub.max(dim=-1, keepdim=True).values) / temps[:, None]).float()
-        probs = _filtered_probs(sub, [params[i] for i in rows])
+        probs = _filtered_probs(_tempered(logits[idx], temps), [params[i] for i in rows])
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
     return tokens.tolist()
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] -> the distribution each row samples from, [R, V] float32: greedy rows the point
+    mass on the argmax, the others tempered and filtered by top-k / top-p exactly as `sample` does
+    (speculative verification applies it identically to the target and the draft)."""
+    probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()  # [R, V]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float64)
+        probs[idx] = _filtered_probs(_tempered(logits[idx], temps), [params[i] for i in rows])
+    return probs
+
+
+def _tempered(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """logits [R, V], temperatures [R] float64 -> [R, V] float32 tempered logits. Shifted by the row
+    max and divided in float64: any positive temperature, however small, leaves the best token at 0
+    and the rest <= 0 (at worst -inf), never NaN."""
+    sub = logits.double()
+    return ((sub - sub.max(dim=-1, keepdim=True).values) / temps[:, None]).float()
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

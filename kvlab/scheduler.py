@@ -53,6 +53,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.chunk_limit(), budget)
+            if n > seq.num_uncomputed_tokens and not self.block_manager.can_append(seq, n):
+                n = seq.num_uncomputed_tokens  # no room for tentative draft slots: decode plainly, preempt no one
+            seq.keep_draft_tokens(n)  # draft tokens count against the token budget
             if not self._make_room(seq, n, batch):
                 continue  # seq itself was preempted; running[i] is now the next one
             self.block_manager.append(seq, n)
@@ -91,10 +94,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """The step ran: each scheduled sequence now has its `n` new tokens in the cache."""
+    def advance(self, batch: ScheduledBatch, num_rejected: dict[int, int] | None = None) -> None:
+        """The step ran: each scheduled sequence now has its `n` new tokens in the cache, less the
+        `num_rejected[seq_id]` draft tokens verification rejected, whose tentative slots are rolled back."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            rejected = num_rejected.get(seq.seq_id, 0) if num_rejected else 0
+            if rejected:
+                self.block_manager.rollback(seq, rejected)
+            seq.num_computed_tokens += n - rejected
+            seq.draft_token_ids = []
             self.block_manager.commit(seq)  # full pages of computed tokens become findable (prefix caching)
 
     def preempt(self, seq: Sequence) -> None:
@@ -113,6 +121,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []  # tentative state goes with the pages
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -120,6 +129,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.draft_token_ids = []
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drop an unfinished request wherever it is, freeing its pages; the sequence, or None if unknown."""

@@ -38,6 +38,9 @@ class Sequence:
         self.num_preemptions = 0
         self.logprobs: list[float] = []  # scoring: log p of each continuation token
         self.dists: list = []  # scoring with return_dists: one log-prob vector per continuation token
+        # speculative decoding: tokens drafted after the last one, computed this step in tentative
+        # slots; never part of token_ids until verified (kvlab/speculation.py)
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +99,11 @@ class Sequence:
         so that the cache policy sees the whole context before the continuation is scored."""
         if self.score_from is not None and self.num_computed_tokens < self.score_from:
             return self.score_from - self.num_computed_tokens
-        return self.num_uncomputed_tokens
+        return self.num_uncomputed_tokens + len(self.draft_token_ids)
+
+    def keep_draft_tokens(self, num_new_tokens: int) -> None:
+        """The step computes `num_new_tokens`: keep only the draft tokens that fit after the uncomputed ones."""
+        del self.draft_token_ids[max(num_new_tokens - self.num_uncomputed_tokens, 0):]
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

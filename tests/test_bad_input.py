@@ -272,3 +272,55 @@ def test_engine_config_normalises_what_it_accepts():
     assert config.kv_cache_memory == 1536 and config.policy_args == {} and config.draft is None
     assert EngineConfig(kv_cache_memory=2.5e6).kv_cache_memory == 2_500_000
     assert EngineConfig(kv_cache_memory="64mib").kv_cache_memory == 64 << 20
+
+
+# -- speculative decoding ----------------------------------------------------------------
+@pytest.mark.parametrize("draft, args, message", [
+    ("ngram", {"num_tokens": 0}, r"draft ngram: num_tokens must be an integer >= 1, got 0"),
+    ("model", {"num_tokens": -2}, r"draft model: num_tokens must be an integer >= 1, got -2"),
+    ("ngram", {"num_tokens": 6, "adaptive": True, "max_num_tokens": 4},
+     r"draft ngram: max_num_tokens \(4\) must be >= num_tokens \(6\) when adaptive"),
+    ("ngram", {"min_ngram": 3, "max_ngram": 2}, r"draft ngram: max_ngram must be an integer >= min_ngram \(3\)"),
+])
+def test_bad_draft_parameters_fail_before_the_model(draft, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("does-not-exist", draft=draft, draft_args=args)
+
+
+def test_unknown_draft_and_parameter_are_named():
+    with pytest.raises(UnknownPluginError, match=r"unknown draft model 'eagle'; registered draft models: .*ngram"):
+        LLM("does-not-exist", draft="eagle")
+    with pytest.raises(TypeError, match=r"draft model 'ngram' has no parameter\(s\) k; its parameters are: "):
+        LLM("does-not-exist", draft="ngram", draft_args={"k": 4})
+
+
+def test_draft_with_a_compressing_policy_fails_before_the_model():
+    with pytest.raises(ValueError, match=r"draft 'ngram' with policy 'streaming_llm': speculative decoding does "
+                                         r"not run with a compressing policy yet"):
+        LLM("does-not-exist", draft="ngram", policy="streaming_llm")
+
+
+def test_model_draft_needs_the_targets_vocabulary():
+    from types import SimpleNamespace as NS
+
+    from kvlab.drafts.model import check_same_vocabulary
+
+    def loaded(vocab, tokenizer=None):
+        return NS(model=NS(config=NS(vocab_size=vocab)), tokenizer=tokenizer)
+
+    target = NS(vocab_size=256)
+    with pytest.raises(ValueError, match=r"draft 'model': 'd' cannot draft for 't': its vocabulary has 512 tokens, "
+                                         r"the target's 256\..*'slem' or 'tli'"):
+        check_same_vocabulary("d", loaded(512), "t", target, None)
+    tok = NS(get_vocab=lambda: {"a": 0, "b": 1})
+    other = NS(get_vocab=lambda: {"a": 1, "b": 0})
+    with pytest.raises(ValueError, match="its tokenizer maps tokens to ids differently.*'slem' or 'tli'"):
+        check_same_vocabulary("d", loaded(256, other), "t", target, tok)
+    check_same_vocabulary("d", loaded(256, tok), "t", target, tok)  # the same vocabulary: no error
+
+
+@pytest.mark.model
+def test_model_draft_with_another_tokenizer_fails_before_any_request(fresh_model):
+    with pytest.raises(ValueError, match=r"draft 'model': 'gemma3-270m' cannot draft for 'smollm2-135m': its "
+                                         r"vocabulary has \d+ tokens, the target's 49152.*'slem' or 'tli'"):
+        LLM("smollm2-135m", loaded=fresh_model("smollm2-135m"), draft="model", draft_args={"model": "gemma3-270m"})

@@ -1,0 +1,161 @@
+"""Speculative decoding around the engine's one packed forward pass: propose -> verify -> accept.
+
+    propose   before scheduling, the draft proposes up to k tokens for every running decoding
+              sequence (`seq.draft_token_ids`); the scheduler counts them against the token budget
+              (and drops them rather than preempt anyone for their slots)
+    compute   the runner computes the last committed token plus the drafts in tentative slots
+              appended through the block manager, keeping the k + 1 logits rows (`verify_rows`)
+    verify    speculative rejection sampling (kvlab/verifier.py) accepts a prefix of a <= k drafts
+              and draws one corrected or bonus token: a + 1 tokens to emit
+    accept    `Scheduler.advance` counts 1 + a tokens as computed and rolls back the k - a
+              rejected slots (`BlockManager.rollback`: pages that became empty go back to the pool);
+              the engine appends the emitted tokens one by one, so EOS, stop tokens and max_tokens
+              inside an accepted run cut it where plain decoding would have stopped
+
+Drafted tokens never enter `token_ids` before they are verified, so nothing that hashes or scores
+committed tokens ever sees them; a preempted sequence drops its drafts with its pages.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab.drafts.base import DraftModel
+from kvlab.sampler import probabilities
+from kvlab.sequence import Sequence
+from kvlab.verifier import acceptance_histogram, point_masses, speculative_sample
+
+
+class Speculator:
+    """Drives one draft for the engine and keeps the acceptance statistics."""
+
+    def __init__(self, draft: DraftModel, vocab_size: int):
+        self.draft = draft
+        self.vocab_size = vocab_size
+        self._lengths: dict[int, int] = {}  # seq_id -> current draft length (adaptive)
+        self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q [k, V] of this step's drafts
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.num_verified = 0  # sequence-steps that verified at least one draft token
+        self.num_drafted = 0  # draft tokens verified
+        self.num_accepted = 0
+        self.num_emitted = 0  # tokens emitted by verification (accepted + corrected / bonus)
+        self.tried: list[int] = []  # per draft position: verified, accepted
+        self.took: list[int] = []
+        self.draft_s = 0.0  # seconds spent proposing
+
+    # -- propose ---------------------------------------------------------------
+    def length(self, seq: Sequence) -> int:
+        return self._lengths.get(seq.seq_id, self.draft.num_tokens)
+
+    def propose(self, running: list[Sequence], generators: dict[int, torch.Generator]) -> None:
+        """Set `draft_token_ids` of every running decoding sequence (at most one token short of
+        max_tokens, so the bonus token still fits); every other running sequence gets none."""
+        t0 = time.perf_counter()
+        live = {s.seq_id for s in running}
+        for table in (self._lengths, self._probs):
+            for seq_id in [k for k in table if k not in live]:
+                del table[seq_id]
+        for seq in running:
+            seq.draft_token_ids = []
+        chosen = [(s, min(self.length(s), s.max_len - s.num_tokens - 1)) for s in running
+                  if not s.is_scoring and s.num_uncomputed_tokens == 1]
+        chosen = [(s, n) for s, n in chosen if n > 0]
+        if not chosen:
+            return
+        try:
+            proposals = self.draft.propose([s for s, _ in chosen], [n for _, n in chosen],
+                                           [generators.get(s.seq_id) for s, _ in chosen])
+            for (seq, n), proposal in zip(chosen, proposals):
+                tokens = [int(t) for t in proposal.tokens[:n]]
+                if any(not 0 <= t < self.vocab_size for t in tokens):
+                    raise ValueError(f"draft {self.draft.registry_name!r} proposed token ids outside the "
+                                     f"target's vocabulary [0, {self.vocab_size})")
+                seq.draft_token_ids = tokens
+                self._probs[seq.seq_id] = None if proposal.probs is None else proposal.probs[:len(tokens)]
+        except BaseException:
+            for seq, _ in chosen:
+                seq.draft_token_ids = []
+            raise
+        finally:
+            self.draft_s += time.perf_counter() - t0
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted."""
+        self._lengths.pop(seq.seq_id, None)
+        self._probs.pop(seq.seq_id, None)
+        self.draft.forget(seq.seq_id)
+
+    # -- verify ----------------------------------------------------------------
+    def verify(self, out, generators: dict[int, torch.Generator]) -> tuple[list[tuple[Sequence, list[int]]],
+                                                                          dict[int, int]]:
+        """The runner's `verify_rows` -> ([(seq, tokens to emit)], {seq_id: draft tokens rejected})."""
+        if not out.verify_rows:
+            return [], {}
+        seqs = [s for s, _ in out.verify_rows]
+        ks = [len(s.draft_token_ids) for s in seqs]
+        B, K, V = len(seqs), max(ks), out.logits.shape[-1]
+        rows = torch.tensor([r for _, rs in out.verify_rows for r in rs])
+        target = probabilities(out.logits[rows], [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)])
+        p = out.logits.new_zeros(B, K + 1, V)  # [B, K+1, V]
+        q = out.logits.new_zeros(B, K, V)  # [B, K, V]
+        draft = torch.zeros(B, K, dtype=torch.int64)  # [B, K]
+        u_accept, u_final = torch.ones(B, K), torch.zeros(B)  # greedy rows: u = 0, the rule is then exact
+        offset = 0
+        for b, (seq, k) in enumerate(zip(seqs, ks)):
+            p[b, :k + 1] = target[offset:offset + k + 1]
+            offset += k + 1
+            tokens = torch.tensor(seq.draft_token_ids)
+            draft[b, :k] = tokens
+            qb = self._probs.pop(seq.seq_id, None)
+            q[b, :k] = point_masses(tokens, V) if qb is None or seq.params.greedy else qb.to(q)
+            if seq.params.greedy:
+                u_accept[b, :k] = 0.0
+            else:  # k + 1 draws from the request's own stream, whatever else is in the batch
+                u = torch.rand(k + 1, generator=generators.get(seq.seq_id))
+                u_accept[b, :k], u_final[b] = u[:k], u[k]
+        accepted, final = speculative_sample(p, q, draft, torch.tensor(ks), u_accept, u_final)
+        accepted, final = accepted.tolist(), final.tolist()
+        emitted = [(s, s.draft_token_ids[:a] + [t]) for s, a, t in zip(seqs, accepted, final)]
+        self._record(seqs, ks, accepted)
+        return emitted, {s.seq_id: k - a for s, k, a in zip(seqs, ks, accepted)}
+
+    def _record(self, seqs: list[Sequence], ks: list[int], accepted: list[int]) -> None:
+        self.num_verified += len(seqs)
+        self.num_drafted += sum(ks)
+        self.num_accepted += sum(accepted)
+        self.num_emitted += sum(accepted) + len(seqs)
+        tried, took = acceptance_histogram(accepted, ks)
+        for i, (t, a) in enumerate(zip(tried, took)):
+            if i == len(self.tried):
+                self.tried.append(0)
+                self.took.append(0)
+            self.tried[i] += t
+            self.took[i] += a
+        if self.draft.adaptive:
+            d = self.draft
+            for seq, k, a in zip(seqs, ks, accepted):
+                current = self.length(seq)
+                if a < k:
+                    self._lengths[seq.seq_id] = max(1, current - 1)
+                elif k == current:
+                    self._lengths[seq.seq_id] = min(d.max_num_tokens, current + 1)
+
+    # -- metrics ---------------------------------------------------------------
+    def stats(self, busy_s: float) -> dict:
+        """Acceptance rate (accepted / drafted), per-position acceptance (position i accepted when
+        verified, i.e. when drafts 0..i-1 were accepted), mean accepted length (tokens emitted per
+        verification: accepted drafts + the corrected or bonus token), the share of step time spent
+        drafting."""
+        nan = float("nan")
+        return {
+            "spec_drafted_tokens": self.num_drafted,
+            "spec_accepted_tokens": self.num_accepted,
+            "spec_acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else nan,
+            "spec_per_position_acceptance": [a / t if t else nan for a, t in zip(self.took, self.tried)],
+            "spec_mean_accepted_length": self.num_emitted / self.num_verified if self.num_verified else nan,
+            "spec_draft_time_share": self.draft_s / busy_s if busy_s > 0 else nan,
+        }

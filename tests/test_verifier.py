@@ -1,0 +1,131 @@
+"""Speculative rejection sampling is lossless: emitted tokens follow the target distribution.
+
+A toy target and draft on a 6-token vocabulary, each a Markov chain (the next-token distribution
+depends on the previous token), so the verifier must use the right row for each draft position.
+10^5 rows are verified at once; the first emitted token and the first two (a consecutive pair,
+spanning a second verification round when the first draft is rejected) are checked with a
+chi-square test against P[s] and P[s][x] * P[x][y]. scipy is not installed here: the statistic is
+computed by hand, against the 99.9% quantile from the Wilson-Hilferty approximation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab.verifier import acceptance_histogram, inverse_cdf, point_masses, speculative_sample
+
+V, K, N, START = 6, 3, 100_000, 0
+
+
+def chi2_critical(df: int, z: float = 3.0902) -> float:
+    """Upper 99.9% quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells of positive probability (cells of probability 0 must be empty)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    assert counts[probs == 0].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs[probs > 0] * counts.sum()
+    return float(((counts[probs > 0] - expected) ** 2 / expected).sum()), int((probs > 0).sum()) - 1
+
+
+def chain(g, support=None) -> torch.Tensor:
+    """A random transition matrix [V, V], each row supported on `support` (default: everything)."""
+    w = torch.rand(V, V, generator=g, dtype=torch.float64) + 0.05
+    if support is not None:
+        mask = torch.zeros(V, dtype=torch.bool)
+        mask[support] = True
+        w = w * mask
+    return w / w.sum(-1, keepdim=True)
+
+
+def verify_round(P, Q, prev: torch.Tensor, g, point: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification of K drafts after token `prev` [B] -> (accepted [B], emitted [B, K+1], padded)."""
+    B = prev.shape[0]
+    drafts, ctx = [], prev
+    for _ in range(K):  # the draft's chain: d_i ~ Q[d_{i-1}]
+        ctx = inverse_cdf(Q[ctx], torch.rand(B, generator=g, dtype=torch.float64))
+        drafts.append(ctx)
+    draft = torch.stack(drafts, 1)  # [B, K]
+    before = torch.cat([prev[:, None], draft], 1)  # [B, K+1] token each row conditions on
+    p = P[before]  # [B, K+1, V]
+    q = point_masses(draft, V, torch.float64) if point else Q[before[:, :K]]  # [B, K, V]
+    accepted, final = speculative_sample(p, q, draft, torch.full((B,), K), torch.rand(B, K, generator=g,
+                                         dtype=torch.float64), torch.rand(B, generator=g, dtype=torch.float64))
+    emitted = torch.cat([draft, final[:, None]], 1)  # [B, K+1]
+    emitted[torch.arange(B), accepted] = final  # the final token sits right after the accepted prefix
+    return accepted, emitted
+
+
+def point_chain(g) -> torch.Tensor:
+    """A deterministic draft: after token t it proposes a fixed token (an n-gram lookup's point mass)."""
+    return point_masses(torch.randint(0, V, (V,), generator=g), V, torch.float64)
+
+
+CASES = {
+    "q=p": lambda g, P: P,
+    "random q": lambda g, P: chain(g),
+    "disjoint supports": lambda g, P: chain(g, [3, 4, 5]),  # the target lives on 0, 1, 2
+    "point-mass q": lambda g, P: point_chain(g),
+    "q zero on part of p's support": lambda g, P: chain(g, [0, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_emitted_tokens_follow_the_target(case):
+    g = torch.Generator().manual_seed(1234)
+    P = chain(g, [0, 1, 2]) if case == "disjoint supports" else chain(g)
+    Q = CASES[case](g, P)
+    prev = torch.full((N,), START)
+    accepted, emitted = verify_round(P, Q, prev, g, point=case == "point-mass q")
+    first = emitted[:, 0]
+    # the second token: the first round's second token, or (first draft rejected) a second round's first
+    _, again = verify_round(P, Q, first, g, point=case == "point-mass q")
+    second = torch.where(accepted >= 1, emitted[:, 1], again[:, 0])
+    stat, df = chi_square(torch.bincount(first, minlength=V), P[START])
+    assert stat < chi2_critical(df), f"{case}: first token chi2 {stat:.1f} >= {chi2_critical(df):.1f} (df {df})"
+    pairs = torch.bincount(first * V + second, minlength=V * V)
+    stat, df = chi_square(pairs, P[START][:, None] * P)
+    assert stat < chi2_critical(df), f"{case}: pairs chi2 {stat:.1f} >= {chi2_critical(df):.1f} (df {df})"
+    rate = accepted.double().mean().item()
+    if case == "q=p":
+        assert rate == K  # every draft accepted
+    if case == "disjoint supports":
+        assert rate == 0  # every draft rejected
+
+
+def test_the_statistic_rejects_a_wrong_distribution():
+    """The check can fail: tokens drawn from the draft instead of the target are caught."""
+    g = torch.Generator().manual_seed(5)
+    P, Q = chain(g), chain(g)
+    drawn = inverse_cdf(Q[torch.full((N,), START)], torch.rand(N, generator=g, dtype=torch.float64))
+    stat, df = chi_square(torch.bincount(drawn, minlength=V), P[START])
+    assert stat > chi2_critical(df)
+
+
+def test_greedy_is_exact_match_with_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [1.5, 0.2, 0.1], [0.0, 0.1, 3.0], [0.2, 0.1, 0.0]])  # [K+1=4, V=3]
+    p = point_masses(logits.argmax(-1), 3)[None]  # [1, 4, 3]: argmaxes 1, 0, 2, 0
+    for draft, want_accepted, want_final in (([1, 0, 2], 3, 0), ([1, 2, 2], 1, 0), ([0, 0, 2], 0, 1)):
+        d = torch.tensor([draft])
+        accepted, final = speculative_sample(p, point_masses(d, 3), d, torch.tensor([3]), torch.zeros(1, 3),
+                                             torch.zeros(1))
+        assert (accepted.item(), final.item()) == (want_accepted, want_final)
+
+
+def test_ragged_rows_and_padding():
+    """Rows with fewer drafts than the batch's widest ignore the padding; a row with none samples p_0."""
+    p = point_masses(torch.tensor([[1, 2, 3], [4, 4, 4]]), 5)  # [2, 3, 5]
+    draft = torch.tensor([[1, 2], [0, 0]])
+    accepted, final = speculative_sample(p, point_masses(draft, 5), draft, torch.tensor([1, 0]),
+                                         torch.zeros(2, 2), torch.zeros(2))
+    assert accepted.tolist() == [1, 0] and final.tolist() == [2, 4]
+
+
+def test_acceptance_histogram():
+    tried, took = acceptance_histogram([0, 2, 3, 1], [3, 3, 3, 2])
+    assert tried == [4, 3, 2] and took == [3, 2, 1]
