@@ -15,6 +15,7 @@ own: it replaces the Triton launch path, and TRITON_INTERPRET must be unset.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -64,6 +65,10 @@ def _signature(kernel, args, kwargs):
     for name, value in kwargs.items():
         sig[name] = "constexpr"
         consts[name] = value
+    for param in kernel.params:  # constexprs the launch left at their defaults
+        if param.name not in sig and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            sig[param.name] = "constexpr"
+            consts[param.name] = param.default
     return {n: sig[n] for n in kernel.arg_names}, consts, attrs
 
 
