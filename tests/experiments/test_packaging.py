@@ -23,6 +23,11 @@ def test_installed_package_ships_its_configs(tmp_path):
     assert pip.returncode == 0, pip.stderr[-3000:]
     assert (target / "kvlab" / "conf" / "engine" / "contiguous.yaml").is_file()
     assert (target / "kvlab" / "conf" / "hydra" / "launcher" / "parallel.yaml").is_file()
+    roots = {"kvlab": "kvlab", "policies": "kvlab/policies", "kernels": "kvlab/kernels"}
+    for root, installed in roots.items():  # every package of the checkout ships (pyproject lists them)
+        for init in (REPO / root).rglob("__init__.py"):
+            sub = init.parent.relative_to(REPO / root)
+            assert (target / installed / sub / "__init__.py").is_file(), f"{root}/{sub} is not in pyproject's packages"
 
     env = run_env(PYTHONPATH=str(target))  # the installed copy first, not the checkout
     where = subprocess.run([sys.executable, "-c", "import kvlab.conf_plugins as c; print(c.CONF_DIR)"],
