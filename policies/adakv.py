@@ -65,14 +65,7 @@ class AdaKV(Policy):
     def score(self, layer_idx, keys, values, queries, attn_stats):
         return self._inner.score(layer_idx, keys, values, queries, attn_stats)
 
-    def select(self, layer_idx, num_layers, keys, values, queries, attn_stats):
-        n, heads = keys.shape[:2]
-        keep = self.layer_budget(layer_idx, num_layers, n)
-        if keep >= n:
-            return None
-        scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]
-        if scores is None:
-            return None
+    def choose(self, scores, keep):
         return adaptive_top_k(scores, keep, self.alpha_safeguard)
 
 

@@ -108,6 +108,11 @@ class Policy(ABC):
         scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]
         if scores is None:
             return None
+        return self.choose(scores, keep)
+
+    def choose(self, scores: torch.Tensor, keep: int) -> list[int] | list[list[int]]:
+        """From scores [L, Hkv], the cache indices kept with a budget of `keep` per KV head (default: top-k
+        per head, or of the scores summed over heads with per_head=False)."""
         return top_k(scores, keep, self.per_head)
 
 
