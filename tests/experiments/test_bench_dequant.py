@@ -1,0 +1,23 @@
+"""The dequantisation-cost benchmark (experiments/bench_dequant.py) runs every format on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from exp_helpers import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+
+
+def test_every_format_gets_a_decode_step_time_relative_to_fp32(tmp_path):
+    from bench_dequant import main
+
+    out = tmp_path / "dq"
+    main(["--model", "random:llama-tiny", "--context", "32", "--batch", "2", "--steps", "2", "--repeats", "1",
+          "--group-size", "8", "--block-size", "16", "--kv-cache-memory", "4MiB", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["format"] for r in rows] == ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"]
+    assert rows[0]["vs_fp32"] == 1.0 and rows[0]["extra_ms"] == 0.0
+    assert all(r["step_ms"] > 0 and len(r["steps_s"]) == 1 for r in rows)
+    assert "| int2 |" in out.with_suffix(".md").read_text()
