@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The policy leaderboard (conf/experiment/leaderboard.yaml) for one model, task sizes for 2 CPU cores:
-#   bash experiments/leaderboard.sh smollm2-135m     # -> experiments/results/leaderboard_smollm2-135m.md
-#   bash experiments/leaderboard.sh gemma3-270m
-# Three sweeps into one study folder (multirun/leaderboard_<model>): agreement with the full cache (+ KV bytes
-# held and tokens/s over a batch of 16 Azure code-trace requests), WikiText-2 perplexity, RULER. Finished
-# jobs are skipped on a rerun (skip_existing), so an interrupted leaderboard resumes where it stopped.
+#   bash experiments/leaderboard.sh smollm2-135m           # -> experiments/results/leaderboard_smollm2-135m.md
+#   bash experiments/leaderboard.sh gemma3-270m quality    # only the quality sweeps (timing-free: any load)
+#   bash experiments/leaderboard.sh gemma3-270m throughput # only KV bytes + tok/s at batch 16 (quiet cores)
+# Four sweeps into one study folder (multirun/leaderboard_<model>): agreement with the full cache, WikiText-2
+# perplexity, RULER, and a batch of 16 Azure code-trace requests (KV bytes held, tokens/s). Finished jobs are
+# skipped on a rerun (skip_existing), so an interrupted leaderboard resumes where it stopped.
 # Sizes can be changed through the environment (AGREEMENT, PERPLEXITY, RULER: extra overrides per sweep).
-set -euo pipefail
+set -uo pipefail
 MODEL=${1:-smollm2-135m}
+PHASE=${2:-all}
 PY=${PY:-.venv/bin/python}
 STUDY=leaderboard_${MODEL}
 COMMON="experiment=leaderboard model=${MODEL} name=${STUDY}"
@@ -16,8 +18,13 @@ PERPLEXITY=${PERPLEXITY:-"task.context_lengths=[512] task.num_windows=8"}
 RULER=${RULER:-"task.lengths=[1024] task.num_samples=2"}
 
 status=0  # a failed job fails its sweep (exit 1) after the sweep's other jobs ran; the table shows what finished
-$PY -m kvlab -m $COMMON task=agreement $AGREEMENT || status=1
-$PY -m kvlab -m $COMMON task=perplexity $PERPLEXITY workload=none || status=1
-$PY -m kvlab -m $COMMON task=ruler $RULER workload=none || status=1
-$PY experiments/leaderboard.py multirun/${STUDY} --out experiments/results/leaderboard_${MODEL}
+if [ "$PHASE" != throughput ]; then
+    $PY -m kvlab -m $COMMON task=agreement $AGREEMENT workload=none || status=1
+    $PY -m kvlab -m $COMMON task=perplexity $PERPLEXITY workload=none || status=1
+    $PY -m kvlab -m $COMMON task=ruler $RULER workload=none || status=1
+fi
+if [ "$PHASE" != quality ]; then
+    $PY -m kvlab -m $COMMON task=none || status=1
+fi
+$PY experiments/leaderboard.py multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
 exit $status
