@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, commit_line, load_average, log, metadata, table
+from bench_throughput import REPO, log, metadata, provenance, save, table
 
 FORMATS = ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"]
 COLUMNS = [("format", "format"), ("step_ms", "decode step ms (median)"), ("vs_fp32", "vs fp32"),
@@ -73,10 +72,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
     return "\n".join([
         f"# Dequantisation cost per decode step on CPU ({args.model})",
         "",
-        f"Command: `{meta['command']}`  ",
-        f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
-        f"at end {load_average()}.",
-        "",
+        *provenance(meta),
         f"Batch {args.batch}, {args.context}-token random prompts, block size {args.block_size}; one decode step = "
         f"(generate {args.steps + 1} tokens - generate 1) / {args.steps}, median of {args.repeats} rounds (formats "
         "interleaved within each round). KIVI formats (int4, int2) with group size "
@@ -113,11 +109,7 @@ def main(argv=None) -> list[dict]:
     meta = metadata(args)
     rows = run(args)
     text = report(rows, meta, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    print(text)
+    save(args.out, text, meta, rows)
     return rows
 
 

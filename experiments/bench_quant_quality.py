@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, commit_line, load_average, log, metadata, table
+from bench_throughput import REPO, log, metadata, provenance, save, table
 
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp8_e4m3", {}), ("int8", {}), ("int4", {}), ("int2", {})]
 COLUMNS = [("format", "format"), ("args", "args"), ("bytes_per_token", "pool B/token/layer"),
@@ -82,10 +81,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
     return "\n".join([
         f"# KV-cache format quality on {args.model}",
         "",
-        f"Command: `{meta['command']}`  ",
-        f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
-        f"at end {load_average()} (other jobs were running on the machine; timings are indicative only).",
-        "",
+        *provenance(meta, "other jobs were running on the machine; timings are indicative only"),
         f"Perplexity: WikiText-2 test, {args.num_windows} windows of {args.context} context + {args.continuation} "
         f"scored tokens. Agreement: {args.num_prompts} prompts of {args.prompt_length} tokens, {args.max_new_tokens} "
         "greedy tokens, against the full-cache fp32 engine (kvlab.tasks.agreement). Block size 32; KIVI formats "
@@ -123,11 +119,7 @@ def main(argv=None) -> None:
     meta = metadata(args)
     rows = run(args)
     text = report(rows, meta, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    print(text)
+    save(args.out, text, meta, rows)
 
 
 if __name__ == "__main__":

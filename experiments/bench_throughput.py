@@ -420,6 +420,21 @@ def commit_line(meta: dict) -> str:
     return commit + (" (uncommitted changes present)" if meta["git_dirty"] else "")
 
 
+def provenance(meta: dict, note: str = "timings are indicative only") -> list[str]:
+    """A report's opening lines: the command that made it, the commit, the machine and its load."""
+    return [f"Command: `{meta['command']}`  ",
+            f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
+            f"at end {load_average()} ({note}).", ""]
+
+
+def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
+    """Print the report and write it as <out>.md, with <out>.json holding the figures and the metadata."""
+    from kvlab.loggers.local import write_report
+
+    print(text)
+    write_report(out, text, {"meta": meta, "rows": rows})
+
+
 def load_average() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
