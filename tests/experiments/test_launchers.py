@@ -1,0 +1,84 @@
+"""Cluster launchers for real: submitit_local runs the SLURM launcher's code path on this machine; slurm
+without sbatch, an unreachable Ray address: refused before any job starts; sweep progress lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from exp_helpers import kvlab_cmd, needs_data, run_env
+
+from kvlab.analysis import load_runs
+from kvlab.sweep_report import read_ledger
+
+TINY = ["model=random-llama-tiny", "task=agreement", "workload=none", "task.num_prompts=2",
+        "task.prompt_length=32", "task.max_new_tokens=4", "engine.kv_cache_memory=2MiB", "progress=false",
+        "logger=none"]
+
+
+def kvlab_run(cwd, *args: str, env=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(kvlab_cmd(*args), cwd=cwd, env=env or run_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def summary_head(out: subprocess.CompletedProcess) -> str:
+    return [line for line in out.stdout.splitlines() if line.startswith("sweep ") and " jobs: " in line][-1]
+
+
+@needs_data("wikitext-2-raw")
+def test_submitit_local_runs_the_sweep_into_the_same_folder_and_records(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = kvlab_run(tmp_path, "-m", "hydra/launcher=submitit_local", *TINY, "engine.block_size=8,16",
+                    "sweep_progress_s=1", f"hydra.sweep.dir={sweep}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = load_runs(sweep)
+    assert len(runs) == 2 and (runs["status"] == "finished").all()
+    assert sorted(runs["engine.block_size"]) == [8, 16] and (runs["agreement/greedy_match"] == 1.0).all()
+    # each job ran in a process of its own, submitted by submitit (its pickles and logs under .submitit/)
+    assert len({p for p in runs["meta.pid"]}) == 2 and os.getpid() not in set(runs["meta.pid"])
+    assert list(sweep.glob(".submitit/*/*_submitted.pkl"))
+    # the job folders are the basic launcher's (sweep.dir/<override dirname>), the ledger has both jobs
+    assert all(str(p).startswith(str(sweep)) and "engine.block_size=" in p for p in runs["run_dir"])
+    assert sorted(row["status"] for row in read_ledger(sweep)) == ["finished", "finished"]
+    assert summary_head(out) == f"sweep {sweep}: 2 jobs: 2 finished, 0 failed, 0 skipped"
+    assert f"sweep {sweep} progress: 2 finished, 0 failed, 0 skipped; 0 running" in out.stdout
+
+
+@needs_data("wikitext-2-raw")
+@pytest.mark.heavy
+def test_submitit_local_four_jobs_then_a_rerun_skips_them(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=submitit_local", *TINY, "engine.block_size=8,16",
+            "engine.allocator=paged,contiguous", f"hydra.sweep.dir={sweep}"]
+    first = kvlab_run(tmp_path, *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert len(load_runs(sweep)) == 4 and (load_runs(sweep)["status"] == "finished").all()
+    again = kvlab_run(tmp_path, *args)
+    assert summary_head(again) == f"sweep {sweep}: 4 jobs: 0 finished, 0 failed, 4 skipped"
+
+
+def test_slurm_without_sbatch_is_refused_before_any_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = run_env(PATH=os.path.dirname(os.sys.executable) + ":/usr/bin:/bin")  # no sbatch on this PATH
+    assert subprocess.run(["which", "sbatch"], env=env, capture_output=True).returncode != 0
+    out = kvlab_run(tmp_path, "-m", "hydra/launcher=slurm", *TINY, "engine.block_size=8,16",
+                    f"hydra.sweep.dir={sweep}", env=env, timeout=120)
+    assert out.returncode == 1
+    assert "sweep refused before any job started: hydra/launcher=slurm submits its jobs with `sbatch`" in out.stderr
+    assert "hydra/launcher=submitit_local" in out.stderr
+    assert not list(sweep.rglob("run.jsonl")) and not (sweep / ".submitit").exists()
+
+
+@pytest.mark.parametrize("address, says", [
+    ("127.0.0.1:9", "does not answer"),               # the discard port: nothing listens
+    ("ray://127.0.0.1:9", "does not answer"),
+    ("nonsense", "is not host:port, ray://host:port or auto"),
+])
+def test_an_unreachable_ray_address_is_refused_before_any_job(tmp_path, address, says):
+    sweep = tmp_path / "sweep"
+    out = kvlab_run(tmp_path, "-m", "hydra/launcher=ray_cluster", f"hydra.launcher.ray.init.address='{address}'",
+                    *TINY, "engine.block_size=8,16", f"hydra.sweep.dir={sweep}", timeout=120)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "sweep refused before any job started" in out.stderr and says in out.stderr
+    assert not list(sweep.rglob("run.jsonl"))
