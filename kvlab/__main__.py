@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from kvlab.conf_plugins import CONF_DIR, register_plugin_configs
 from kvlab.config import ConfigError, validate
 from kvlab.experiment import config_hash, find_finished, read_record, run_experiment
+from kvlab.launchers import register_launchers
 from kvlab.loggers.local import RECORD
 from kvlab.study import Outcome, make_study
 from kvlab.sweep_report import SweepStopped, error_line, sweep_has_failed
@@ -77,6 +78,7 @@ def study_values(cfg: DictConfig, hc, summary: dict | None) -> list[float]:
 
 def main() -> None:
     register_plugin_configs()
+    register_launchers()
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)()
     except SweepStopped as stop:  # fail_fast in a sweep run in this process (basic launcher)

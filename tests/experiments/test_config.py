@@ -141,7 +141,8 @@ def test_launchers_compose(compose):
 
     SlurmLauncher(**{k: v for k, v in slurm.items() if k != "_target_"})  # builds; submits nothing
     ray = compose(["hydra/launcher=ray_cluster"], hydra=True).hydra.launcher
-    assert ray._target_ == "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher" and "init" in ray.ray
+    assert ray._target_ == "hydra_plugins.kvlab_launchers.ray_cluster.KvlabRayLauncher" and "init" in ray.ray
+    assert ray.ray.remote.max_retries == 0  # a dead worker's job is recorded as failed, not silently rerun
 
 
 def test_experiments_define_sweeps(compose):
