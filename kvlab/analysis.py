@@ -299,3 +299,21 @@ def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def largest_ratio_kept(runs: pd.DataFrame, quality: str, keep: float, reference: float,
+                       higher_is_better: bool = True, policy: str = "policy.name",
+                       ratio: str = "policy.compression_ratio") -> pd.DataFrame:
+    """Per policy, the largest compression ratio among the finished runs whose `quality` keeps `keep` of
+    `reference` (the budget search's answer, conf/experiment/budget_search.yaml), with that run's quality
+    and how many runs were tried; `ratio kept` is NaN for a policy none of whose runs kept it."""
+    df = _need(runs, quality, policy, ratio)
+    target = reference * keep if higher_is_better else reference / keep
+    rows = []
+    for name, group in df.groupby(policy, sort=True):
+        ok = group[group[quality] >= target] if higher_is_better else group[group[quality] <= target]
+        best = ok.loc[ok[ratio].idxmax()] if not ok.empty else None
+        rows.append({"method": name, "ratio kept": None if best is None else float(best[ratio]),
+                     quality: None if best is None else float(best[quality]), "runs": len(group),
+                     "target": target})
+    return pd.DataFrame(rows)
