@@ -70,6 +70,7 @@ def make_plots(board: pd.DataFrame, quality: str, out: Path) -> list[tuple[str, 
                 continue
             fig = plot_pareto(part, quality, cost)
             fig.axes[0].set_title(f"{dataset}: {quality} vs {cost}", fontsize=9)
+            fig.tight_layout()
             path = out / (f"pareto_{stem}.png" if len(datasets) == 1 else f"pareto_{stem}_{i}.png")
             fig.savefig(path, dpi=110)
             plt.close(fig)
@@ -160,7 +161,12 @@ def log_wandb(report: Report, target: dict, out: Path) -> str:
         wandb.teardown()
 
 
-def main(argv: list[str] | None = None) -> Report:
+def main(argv: list[str] | None = None) -> None:
+    """The console script (its return value would be the exit status: nothing is returned)."""
+    cli(argv)
+
+
+def cli(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(prog="kvlab-report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", help="a sweep folder (multirun/<name>) or any folder of kvlab runs")
     p.add_argument("--out", default=None, help="output folder (default: the sweep folder)")
