@@ -125,3 +125,27 @@ def test_pareto_front_keeps_the_undominated_rows():
 def test_markdown_table_formats_and_escapes():
     text = markdown_table(pd.DataFrame({"a": ["x|y", None], "b": [1.234567, float("nan")]}))
     assert text.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 1.235 |", "|  |  |"]
+
+
+def test_kvlab_report_logs_a_wandb_table(sweep, tmp_path):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path), "--wandb", "on"],
+                         env=run_env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "logged the leaderboard to W&B (offline)" in out.stdout
+    [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/leaderboard_*.table.json")
+    data = json.loads(table.read_text())
+    assert data["columns"][:3] == ["dataset", "model", "method"]
+    assert [row[2] for row in data["data"]] == ["full", "snapkv", "streaming_llm"]
+    assert len(list(tmp_path.glob("wandb/offline-run-*/files/media/images/pareto/*.png"))) == 2
+
+
+def test_wandb_is_on_when_the_sweeps_runs_logged_to_it():
+    from kvlab.report import wandb_target
+
+    logged = pd.DataFrame({"logger._target_": ["kvlab.loggers.wandb_run.WandbLogger"], "logger.project": ["p"],
+                           "logger.entity": [None], "logger.group": ["smoke"], "logger.mode": ["offline"]})
+    assert wandb_target(logged) == {"project": "p", "entity": None, "group": "smoke", "mode": "offline"}
+    assert wandb_target(logged.assign(**{"logger.mode": "disabled"})) is None
+    assert wandb_target(pd.DataFrame({"logger": [None]})) is None  # logger=none
