@@ -3,6 +3,8 @@
     runs = load_runs("multirun/smoke")          # local sweep / run folders: their run.jsonl records
     runs = load_runs("my-entity/kvlab")         # a W&B project, through the W&B public API (online)
     cells = load_tables(runs, "niah_cells")     # a per-cell table of every run, with the run's columns
+    board = leaderboard(runs)                   # kvlab-report's table: one row per (dataset, model, method, ratio)
+    plot_pareto(board, "greedy match", "KV MiB held (mean)")   # quality vs cost, Pareto front drawn
 
 One row per run: `run_dir`, `name`, `status` ("finished" / "failed"), `error`,
 `source` ("local", "wandb"), the config flattened to dotted

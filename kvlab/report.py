@@ -181,7 +181,7 @@ def cli(argv: list[str] | None = None) -> Report:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
     print(markdown_table(report.board))
-    for kind, path in report.files.items():
+    for path in report.files.values():
         print(f"wrote {path}")
     for _, path in report.plots:
         print(f"wrote {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 from exp_helpers import kvlab_cmd, needs_data, run_env
@@ -60,7 +61,7 @@ def test_submitit_local_four_jobs_then_a_rerun_skips_them(tmp_path):
 
 def test_slurm_without_sbatch_is_refused_before_any_job(tmp_path):
     sweep = tmp_path / "sweep"
-    env = run_env(PATH=os.path.dirname(os.sys.executable) + ":/usr/bin:/bin")  # no sbatch on this PATH
+    env = run_env(PATH=os.path.dirname(sys.executable) + ":/usr/bin:/bin")  # no sbatch on this PATH
     assert subprocess.run(["which", "sbatch"], env=env, capture_output=True).returncode != 0
     out = kvlab_run(tmp_path, "-m", "hydra/launcher=slurm", *TINY, "engine.block_size=8,16",
                     f"hydra.sweep.dir={sweep}", env=env, timeout=120)
