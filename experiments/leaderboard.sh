@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The policy leaderboard (conf/experiment/leaderboard.yaml) for one model, task sizes for 2 CPU cores:
-#   bash experiments/leaderboard.sh smollm2-135m           # -> experiments/results/leaderboard_smollm2-135m.md
+#   bash experiments/leaderboard.sh smollm2-135m           # -> experiments/results/leaderboard_smollm2-135m/
 #   bash experiments/leaderboard.sh gemma3-270m quality    # only the quality sweeps (timing-free: any load)
 #   bash experiments/leaderboard.sh gemma3-270m throughput # only KV bytes + tok/s at batch 16 (quiet cores)
 # Four sweeps into one study folder (multirun/leaderboard_<model>): agreement with the full cache, WikiText-2
@@ -26,5 +26,5 @@ fi
 if [ "$PHASE" != quality ]; then
     $PY -m kvlab -m $COMMON task=none || status=1
 fi
-$PY experiments/leaderboard.py multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
+$PY -m kvlab.report multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
 exit $status

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,8 +26,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvlab.conf_plugins import CONF_DIR, register_plugin_configs
-from kvlab.config import ConfigError
-from kvlab.experiment import run_experiment
+from kvlab.config import ConfigError, validate
+from kvlab.experiment import config_hash, find_finished, read_record, run_experiment
+from kvlab.launchers import register_launchers
+from kvlab.loggers.local import RECORD
+from kvlab.study import Outcome, make_study
 from kvlab.sweep_report import SweepStopped, error_line, sweep_has_failed
 
 log = logging.getLogger("kvlab")
@@ -44,25 +48,37 @@ def task(cfg: DictConfig) -> dict | None:
         sys.exit(f"config error: {exc}")
 
 
-def sweep_job(cfg: DictConfig, hc) -> dict:
-    """One job of a sweep; never raises: returns its outcome {"status", "error"} for SweepReport."""
+def sweep_job(cfg: DictConfig, hc) -> Outcome:
+    """One job of a sweep; never raises: returns its outcome (status, error, and in a study the objective
+    values, kvlab.study) for SweepReport and the sweeper."""
     job_name = hc.job.override_dirname or f"job{hc.job.num}"
     if cfg.get("fail_fast", False) and sweep_has_failed(hc.sweep.dir):
         log.warning("job %s not run: an earlier job of this sweep failed and fail_fast is set", job_name)
-        return {"status": "not run", "error": None}
+        return Outcome("not run")
     try:
         summary = run_experiment(cfg, hc.runtime.output_dir, hc.sweep.dir, job_name)
+        values = study_values(cfg, hc, summary) if cfg.get("study") else None
     except ConfigError as exc:
         log.error("config error: %s", exc)
-        return {"status": "failed", "error": f"config error: {error_line(str(exc))}"}
+        return Outcome("failed", f"config error: {error_line(str(exc))}")
     except Exception as exc:
         log.exception("job %s failed; it is recorded as failed in %s", job_name, hc.runtime.output_dir)
-        return {"status": "failed", "error": error_line(exc)}
-    return {"status": "skipped" if summary is None else "finished", "error": None}
+        return Outcome("failed", error_line(exc))
+    return Outcome("skipped" if summary is None else "finished", None, values)
+
+
+def study_values(cfg: DictConfig, hc, summary: dict | None) -> list[float]:
+    """The study's objective values of this job: from its metrics, or (skipped) from the finished run it matched."""
+    config = validate(cfg)
+    if summary is None:
+        done = find_finished(Path(hc.sweep.dir), config_hash(config))
+        summary = read_record(done / RECORD)["metrics"]["metrics"] if done is not None else {}
+    return make_study(config["study"]).values(config, summary)
 
 
 def main() -> None:
     register_plugin_configs()
+    register_launchers()
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)()
     except SweepStopped as stop:  # fail_fast in a sweep run in this process (basic launcher)

@@ -3,6 +3,8 @@
     runs = load_runs("multirun/smoke")          # local sweep / run folders: their run.jsonl records
     runs = load_runs("my-entity/kvlab")         # a W&B project, through the W&B public API (online)
     cells = load_tables(runs, "niah_cells")     # a per-cell table of every run, with the run's columns
+    board = leaderboard(runs)                   # kvlab-report's table: one row per (dataset, model, method, ratio)
+    plot_pareto(board, "greedy match", "KV MiB held (mean)")   # quality vs cost, Pareto front drawn
 
 One row per run: `run_dir`, `name`, `status` ("finished" / "failed"), `error`,
 `source` ("local", "wandb"), the config flattened to dotted
@@ -171,3 +173,149 @@ def plot_waste_breakdown(runs: pd.DataFrame, by: Iterable[str] = ("engine.alloca
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     return fig
+
+
+# -- the leaderboard (kvlab-report and the notebook share these) ---------------------------------------
+
+# (run column, leaderboard column, scale, better): kvpress's score columns, then what kvpress lacks
+SCORES = (
+    ("ruler/score", "RULER score", 1.0, "max"),
+    ("niah/accuracy", "NIAH accuracy", 1.0, "max"),
+    ("agreement/greedy_match", "greedy match", 1.0, "max"),
+    ("agreement/top1_match", "top-1 match", 1.0, "max"),
+    ("agreement/kl", "KL to full cache", 1.0, "min"),
+    ("perplexity/ppl", "perplexity", 1.0, "min"),
+)
+COSTS = (
+    ("workload/kv_bytes_mean", "KV MiB held (mean)", 1 / 2**20, "min"),
+    ("workload/kv_bytes_peak", "KV MiB held (peak)", 1 / 2**20, "min"),
+    ("workload/tokens_per_s", "tokens/s", 1.0, "max"),
+    ("workload/ttft_median_s", "TTFT median (s)", 1.0, "min"),
+    ("workload/policy_pages_freed", "pages freed", 1.0, "max"),
+)
+KEYS = ("dataset", "model", "method", "compression ratio", "budget")
+
+
+def dataset_name(run: pd.Series) -> str:
+    """The task a run was scored on: its class name, with its data source when it has one."""
+    target = run.get("task._target_")
+    if not isinstance(target, str):
+        return "none"
+    name = target.rsplit(".", 1)[-1].lower()
+    for col in ("task.source", "task.corpus"):
+        source = run.get(col)
+        if isinstance(source, str) and source:
+            return f"{name} ({source.split('/')[0]})"  # the data set's folder, not the file
+    return name
+
+
+def _number(value: Any) -> float | None:
+    if value is None or isinstance(value, (bool, str)):
+        return None
+    value = float(value)
+    return None if value != value else value  # NaN: not measured
+
+
+def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (dataset, model, method, compression ratio, budget) of the finished runs: kvpress's
+    columns (score columns named by SCORES) plus KV MiB held, tokens/s, TTFT and pages freed (COSTS);
+    repeated runs of a cell are averaged. `full` rows have ratio 0 (the reference). Columns no run
+    measured are left out; a cell a run did not measure is NaN."""
+    df = _need(runs, "policy.name", "model.name")
+    if df.empty:
+        raise ValueError("leaderboard: no finished runs")
+    rows = []
+    for _, run in df.iterrows():
+        full = run["policy.name"] == "full"
+        row = {"dataset": dataset_name(run), "model": run["model.name"], "method": run["policy.name"],
+               "compression ratio": 0.0 if full else _number(run.get("policy.compression_ratio")),
+               "budget": None if full else _number(run.get("policy.budget"))}
+        for column, name, scale, _ in SCORES + COSTS:
+            value = _number(run.get(column))
+            row[name] = None if value is None else value * scale
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    keys = [k for k in KEYS if table[k].notna().any()]
+    values = [name for _, name, _, _ in SCORES + COSTS if table[name].notna().any()]
+    table[values] = table[values].astype(float)
+    board = table.groupby(keys, dropna=False, sort=False)[values].mean().reset_index()
+    board = board.sort_values([k for k in keys], na_position="first", kind="stable")
+    return board.reset_index(drop=True)
+
+
+def score_columns(board: pd.DataFrame) -> list[str]:
+    """The quality columns present in a leaderboard, in SCORES order."""
+    return [name for _, name, _, _ in SCORES if name in board.columns]
+
+
+def better(column: str) -> str:
+    """"max" or "min": which way a leaderboard column improves."""
+    for _, name, _, way in SCORES + COSTS:
+        if name == column:
+            return way
+    raise KeyError(f"{column!r} is not a leaderboard column")
+
+
+def pareto_front(df: pd.DataFrame, x: str, y: str, x_better: str = "min", y_better: str = "max") -> pd.Series:
+    """True for the rows no other row beats on both `x` and `y` (ties kept); rows missing either are False."""
+    sx = 1.0 if x_better == "min" else -1.0
+    sy = 1.0 if y_better == "min" else -1.0
+    ok = df[x].notna() & df[y].notna()
+    xs, ys = (df[x] * sx).where(ok), (df[y] * sy).where(ok)
+    front = []
+    for i in df.index:
+        if not ok[i]:
+            front.append(False)
+            continue
+        dominated = ((xs <= xs[i]) & (ys <= ys[i]) & ((xs < xs[i]) | (ys < ys[i]))).any()
+        front.append(not dominated)
+    return pd.Series(front, index=df.index)
+
+
+def plot_pareto(board: pd.DataFrame, quality: str, cost: str, ax=None):
+    """`quality` against `cost` (leaderboard columns), one marker per method, the Pareto front drawn."""
+    missing = [c for c in (quality, cost) if c not in board.columns]
+    if missing:
+        raise KeyError(f"leaderboard has no column(s) {missing}; columns: {', '.join(board.columns)}")
+    fig, ax = _axes(ax)
+    for method, group in board.groupby("method", sort=True):
+        ax.scatter(group[cost], group[quality], label=str(method), s=28)
+    front = board[pareto_front(board, cost, quality, better(cost), better(quality))].sort_values(cost)
+    ax.plot(front[cost], front[quality], color="black", lw=1, ls="--", label="Pareto front")
+    ax.set_xlabel(cost)
+    ax.set_ylabel(quality)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
+    """A GitHub Markdown table; floats to `digits` significant digits, missing cells empty."""
+    def cell(value: Any) -> str:
+        if value is None or (isinstance(value, float) and value != value):
+            return ""
+        if isinstance(value, float):
+            return f"{value:.{digits}g}"
+        return str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def largest_ratio_kept(runs: pd.DataFrame, quality: str, keep: float, reference: float,
+                       higher_is_better: bool = True, policy: str = "policy.name",
+                       ratio: str = "policy.compression_ratio") -> pd.DataFrame:
+    """Per policy, the largest compression ratio among the finished runs whose `quality` keeps `keep` of
+    `reference` (the budget search's answer, conf/experiment/budget_search.yaml), with that run's quality
+    and how many runs were tried; `ratio kept` is NaN for a policy none of whose runs kept it."""
+    df = _need(runs, quality, policy, ratio)
+    target = reference * keep if higher_is_better else reference / keep
+    rows = []
+    for name, group in df.groupby(policy, sort=True):
+        ok = group[group[quality] >= target] if higher_is_better else group[group[quality] <= target]
+        best = ok.loc[ok[ratio].idxmax()] if not ok.empty else None
+        rows.append({"method": name, "ratio kept": None if best is None else float(best[ratio]),
+                     quality: None if best is None else float(best[quality]), "runs": len(group),
+                     "target": target})
+    return pd.DataFrame(rows)

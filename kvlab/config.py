@@ -120,6 +120,7 @@ class RootConfig:
     progress: bool = True
     skip_existing: bool = True
     fail_fast: bool = False
+    sweep_progress_s: float = 10.0
 
 
 SECTIONS = ("model", "engine", *PLUGIN_SECTIONS, *TARGET_SECTIONS)
@@ -141,7 +142,7 @@ def validate(cfg: Any) -> dict:
     cfg = dict(cfg)
     cfg.pop("hydra", None)
     root = {**fields_of(RootConfig), **section_fields("")}
-    unknown = sorted(set(cfg) - set(root) - set(SECTIONS) - {"experiment"})
+    unknown = sorted(set(cfg) - set(root) - set(SECTIONS) - {"experiment", "study"})
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown top-level key; known: {', '.join(sorted(set(root) | set(SECTIONS)))}")
     out = check_fields("", {k: cfg[k] for k in root if k in cfg}, root, fill=True)
@@ -155,7 +156,19 @@ def validate(cfg: Any) -> dict:
     check_engine(out)
     for section in TARGET_SECTIONS:
         out[section] = check_target(section, cfg.get(section))
+    out["study"] = check_study(cfg.get("study"))
     return out
+
+
+def check_study(node: Any) -> dict | None:
+    """The `study` section of a search (kvlab.study.Study), checked; null outside searches."""
+    from kvlab.study import make_study
+
+    try:
+        study = make_study(node)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc) if str(exc).startswith("study") else f"study: {exc}") from None
+    return None if study is None else dataclasses.asdict(study)
 
 
 def check_model(node: dict) -> dict:

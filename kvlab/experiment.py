@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import random
 import subprocess
@@ -35,7 +36,7 @@ log = logging.getLogger("kvlab")
 
 PACKAGES = ("kvlab", "torch", "transformers", "triton", "hydra-core", "omegaconf", "datasets", "wandb",
             "numpy", "pandas", "pyarrow")
-NOT_HASHED = ("logger", "progress", "skip_existing", "fail_fast")  # do not change what a run computes
+NOT_HASHED = ("logger", "progress", "skip_existing", "fail_fast", "study", "sweep_progress_s")  # do not change what a run computes
 
 
 def config_hash(config: dict) -> str:
@@ -69,7 +70,7 @@ def run_meta(config: dict) -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {**git_state(), "seed": config.get("seed"), "config_hash": config_hash(config), "versions": versions,
-            "python": platform.python_version(), "host": platform.node(), "argv": list(sys.argv),
+            "python": platform.python_version(), "host": platform.node(), "pid": os.getpid(), "argv": list(sys.argv),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -32,7 +32,9 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from kvlab.sweep_checks import check_sweep
 
 LEDGER = "sweep_jobs.jsonl"
 STATUSES = ("finished", "failed", "skipped", "not run")
@@ -71,9 +73,9 @@ def job_outcome(job_return: JobReturn) -> dict[str, Any]:
     """{"status", "error"} of a finished Hydra job (the task returns such a dict; a raised error is a failure)."""
     if job_return.status == JobStatus.FAILED:
         return {"status": "failed", "error": error_line(job_return._return_value)}
-    value = job_return._return_value
-    if isinstance(value, dict) and value.get("status") in STATUSES:
-        return {"status": value["status"], "error": value.get("error")}
+    value = job_return._return_value  # kvlab.study.Outcome (kvlab.__main__.sweep_job) or a dict like it
+    if hasattr(value, "get") and value.get("status") in STATUSES:
+        return {"status": value.get("status"), "error": value.get("error")}
     return {"status": "finished", "error": None}
 
 
@@ -95,12 +97,23 @@ class SweepReport(Callback):
     def __init__(self) -> None:
         self.sweep_dir: Path | None = None  # set in the sweep's process; pickled to joblib workers with it
         self.pid: int | None = None
+        self.progress = None  # kvlab.sweep_progress.SweepProgress, in the sweep's process, launchers but basic
+
+    def __getstate__(self) -> dict:  # sent to workers (joblib, Ray, submitit) without the progress thread
+        return {**self.__dict__, "progress": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_sweep(config)  # a launcher or study that cannot run: SweepRefused, before any job starts
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
         self.pid = os.getpid()
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         ledger_path(self.sweep_dir).write_text("")
+        interval = float(config.get("sweep_progress_s") or 0)
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
+        if interval > 0 and not launcher.endswith("BasicLauncher"):
+            from kvlab.sweep_progress import SweepProgress
+
+            self.progress = SweepProgress(self.sweep_dir, interval).start()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if self.sweep_dir is None:  # a single run: nothing to report
@@ -118,6 +131,9 @@ class SweepReport(Callback):
 
     def finish(self, stopped: bool = False) -> None:
         """Print the summary; exit with status 1 if a job failed."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
         rows = read_ledger(self.sweep_dir)
         print(summary(self.sweep_dir, rows, stopped), flush=True)
         failed = sum(row["status"] == "failed" for row in rows)

@@ -15,6 +15,7 @@ Works even for random tiny models: it measures the cache, not the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, evenly_spaced_windows, get_tokenizer
@@ -23,6 +24,9 @@ from kvlab.tasks.perplexity import check_fits
 
 @dataclass
 class Agreement(Task):
+    METRICS: ClassVar[tuple[str, ...]] = ("agreement/greedy_match", "agreement/prefix_match",
+                                          "agreement/top1_match", "agreement/kl", "agreement/kl_max")
+
     source: str = "wikitext-2-raw/wiki.test.raw"  # prompt text
     num_prompts: int = 8                          # prompts
     prompt_length: int = 128                      # tokens per prompt

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 @dataclass
@@ -42,6 +42,10 @@ class Result:
 
 class Task(ABC):
     """Base of tasks and workloads; subclasses are dataclasses whose `__post_init__` checks values."""
+
+    # the metric names `run` returns, as fnmatch patterns ("perplexity/ppl@*"); None: not declared.
+    # A study's objectives are checked against them before any job starts (kvlab.study)
+    METRICS: ClassVar[tuple[str, ...] | None] = None
 
     @abstractmethod
     def run(self, llm: Any, ctx: RunContext) -> Result:

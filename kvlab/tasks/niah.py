@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, encode, get_tokenizer
@@ -34,6 +35,8 @@ PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant t
 
 @dataclass
 class NeedleInAHaystack(Task):
+    METRICS: ClassVar[tuple[str, ...]] = ("niah/accuracy", "niah/*/accuracy")
+
     haystack: str = "paul-graham-essays"                                  # folder of .txt files
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))   # needle | passkey | multikey
     context_lengths: list[int] = field(default_factory=lambda: [256, 512])  # prompt tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, evenly_spaced_windows, get_tokenizer
@@ -19,6 +20,8 @@ from kvlab.tasks.progress import progress_bar
 
 @dataclass
 class Perplexity(Task):
+    METRICS: ClassVar[tuple[str, ...]] = ("perplexity/ppl", "perplexity/ppl@*", "perplexity/nll@*")
+
     source: str = "wikitext-2-raw/wiki.test.raw"                     # text file, folder or hub:<name>
     context_lengths: list[int] = field(default_factory=lambda: [256])  # tokens prefilled before scoring
     continuation_length: int = 64                                     # tokens scored per window

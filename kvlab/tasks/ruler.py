@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
@@ -35,6 +36,8 @@ DEFAULT_SUBTASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "vt",
 
 @dataclass
 class Ruler(Task):
+    METRICS: ClassVar[tuple[str, ...]] = ("ruler/score", "ruler/*@*")
+
     subtasks: list[str] = field(default_factory=lambda: list(DEFAULT_SUBTASKS))  # RULER's subtask names
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt + generated tokens
     num_samples: int = 4                    # samples per (subtask, length)

@@ -14,11 +14,11 @@ import random
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, data_path, get_tokenizer
-from kvlab.workloads.replay import Request, replay
+from kvlab.workloads.replay import Request, replay, replay_metrics
 
 TRACES = {"conv": "azure-llm-trace-2023/AzureLLMInferenceTrace_conv.csv",
           "code": "azure-llm-trace-2023/AzureLLMInferenceTrace_code.csv"}
@@ -64,6 +64,8 @@ def load_azure_trace(kind_or_path: str, num_requests: int, tokenizer: Any, max_c
 
 @dataclass
 class AzureReplay(Task):
+    METRICS: ClassVar[tuple[str, ...]] = replay_metrics()
+
     trace: str = "conv"                       # conv | code | CSV path
     num_requests: int = 16                    # requests from row `start`
     start: int = 0                            # first trace row

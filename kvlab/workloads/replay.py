@@ -31,6 +31,20 @@ class Request:
 
 FollowUp = Callable[[Request, object, float], list[Request]]
 
+# llm.stats() keys (kvlab.metrics, LLMEngine.stats), as fnmatch patterns: the optional families
+# (compressing policy, prefix cache, sparse reading, speculation, per layer group) by prefix
+ENGINE_STATS = ("tokens_per_s", "prompt_tokens", "generated_tokens", "busy_s", "elapsed_s", "num_requests",
+                "num_steps", "ttft_median_s", "ttft_p90_s", "tpot_median_s", "tpot_p90_s", "kv_blocks_total",
+                "kv_blocks_peak", "kv_blocks_mean", "kv_blocks_peak/*", "kv_blocks_mean/*", "kv_bytes_peak",
+                "kv_bytes_mean", "waste_internal", "waste_reservation", "waste_external", "preemptions",
+                "max_concurrent_seqs", "mean_concurrent_seqs", "cow_copies", "policy_*", "prefix_*", "sparse_*",
+                "spec_*")
+
+
+def replay_metrics(prefix: str = "workload") -> tuple[str, ...]:
+    """The metric-name patterns `replay` returns (a workload's METRICS)."""
+    return tuple(f"{prefix}/{stat}" for stat in ENGINE_STATS)
+
 
 def replay(llm, requests: list[Request], arrival: Literal["asap", "real"] = "asap", speedup: float = 1.0,
            follow_up: FollowUp | None = None, progress: bool = False, prefix: str = "workload") -> Result:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, get_tokenizer
 from kvlab.workloads.azure import DEFAULT_CORPUS
-from kvlab.workloads.replay import Request, replay
+from kvlab.workloads.replay import Request, replay, replay_metrics
 
 
 def _cutter(llm, corpus: str, data_dir, seed: int):
@@ -31,6 +32,8 @@ def _cutter(llm, corpus: str, data_dir, seed: int):
 
 @dataclass
 class SharedPrefix(Task):
+    METRICS: ClassVar[tuple[str, ...]] = replay_metrics()
+
     num_prefixes: int = 2          # distinct shared prefixes
     prefix_length: int = 192       # tokens per prefix
     suffix_length: int = 32        # unique tokens per request
@@ -62,6 +65,8 @@ class SharedPrefix(Task):
 
 @dataclass
 class MultiTurn(Task):
+    METRICS: ClassVar[tuple[str, ...]] = replay_metrics()
+
     num_conversations: int = 4     # conversations side by side
     turns: int = 3                 # turns per conversation
     user_length: int = 48          # tokens per user message

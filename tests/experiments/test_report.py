@@ -1,0 +1,151 @@
+"""kvlab-report on a real tiny sweep: the leaderboard table, the Pareto plots, the Markdown and one
+self-contained HTML page (parsed: the table's rows, every image inlined, no external URL)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pandas as pd
+import pytest
+from exp_helpers import DATA, kvlab_cmd, run_env
+
+from kvlab.analysis import leaderboard, load_runs, markdown_table, pareto_front
+
+# 3 jobs, seconds each: full and two compressing policies at ratio 0.5 on prompts long enough to evict,
+# with a shared-prefix workload so the KV-bytes / tokens/s / TTFT / pages-freed columns are measured
+SWEEP = ["-m", "model=random-llama-tiny", "task=agreement", "task.num_prompts=2", "task.prompt_length=160",
+         "task.max_new_tokens=4", "workload=shared-prefix", "workload.num_requests=4", "workload.prefix_length=96",
+         "workload.suffix_length=64", "workload.max_tokens=4", "engine.kv_cache_memory=4MiB", "progress=false",
+         "logger=none", "policy=full,snapkv,streaming_llm", "policy.compression_ratio=0.5", "policy.when=prefill"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    if not (DATA / "wikitext-2-raw").exists():
+        pytest.skip(f"shared data not found at {DATA / 'wikitext-2-raw'} (see ../shared/data/README.md)")
+    root = tmp_path_factory.mktemp("report")
+    out = subprocess.run(kvlab_cmd(*SWEEP, f"hydra.sweep.dir={root / 'sweep'}"), cwd=root, env=run_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return root / "sweep"
+
+
+class Page(HTMLParser):
+    """Collects a page's table cells (per row), <img> sources and every URL-bearing attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self.images, self.urls, self._cell = [], [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+        elif tag == "img":
+            self.images.append(attrs.get("src", ""))
+        for key in ("src", "href", "action", "data"):
+            if attrs.get(key):
+                self.urls.append(attrs[key])
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append(self._cell.strip())
+            self._cell = None
+
+
+def test_leaderboard_has_kvpress_columns_and_the_costs(sweep):
+    board = leaderboard(load_runs(sweep))
+    assert list(board[["method", "compression ratio"]].itertuples(index=False, name=None)) == [
+        ("full", 0.0), ("snapkv", 0.5), ("streaming_llm", 0.5)]
+    assert list(board.columns[:4]) == ["dataset", "model", "method", "compression ratio"]
+    assert (board["dataset"] == "agreement (wikitext-2-raw)").all() and (board["model"] == "random:llama-tiny").all()
+    full, snap, stream = board.to_dict("records")
+    assert full["greedy match"] == 1.0 and full["KL to full cache"] == 0.0
+    assert snap["KL to full cache"] > 0 and stream["KL to full cache"] > 0  # half the prompt evicted
+    held = "KV MiB held (mean)"
+    assert snap[held] < full[held] and stream[held] < full[held]  # evicted pages went back to the pool
+    assert snap["pages freed"] > 0 and stream["pages freed"] > 0
+    assert (board["tokens/s"] > 0).all() and (board["TTFT median (s)"] > 0).all()
+
+
+def test_kvlab_report_writes_table_plots_and_a_self_contained_page(sweep, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path)],
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    board = pd.read_csv(tmp_path / "leaderboard.csv")
+    assert list(board["method"]) == ["full", "snapkv", "streaming_llm"]
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert f"Command: `kvlab-report {sweep} --out {tmp_path}`" in md
+    assert md.count("\n| agreement (wikitext-2-raw) | random:llama-tiny |") == 3
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["pareto_kv_bytes.png", "pareto_throughput.png"]
+    assert all(f"]({name})" in md for name in pngs)
+    for name in pngs:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    page = Page()
+    page.feed((tmp_path / "leaderboard.html").read_text())
+    header, *rows = page.rows
+    assert header[:4] == ["dataset", "model", "method", "compression ratio"] and "KV MiB held (mean)" in header
+    assert [row[header.index("method")] for row in rows] == ["full", "snapkv", "streaming_llm"]
+    assert len(page.images) == 2
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
+    assert not [u for u in page.urls if not u.startswith("data:")]  # nothing to fetch: opens offline
+    assert "http://" not in (tmp_path / "leaderboard.html").read_text().replace("http://www.w3.org", "")
+
+
+def test_kvlab_report_refuses_a_folder_without_runs_and_an_unknown_quality(sweep, tmp_path):
+    empty = subprocess.run([sys.executable, "-m", "kvlab.report", str(tmp_path)], env=run_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode != 0 and f"no finished run under {tmp_path}" in empty.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path),
+                          "--quality", "accuracy"], env=run_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--quality 'accuracy' is not a leaderboard column" in bad.stderr
+    assert "greedy match" in bad.stderr
+
+
+def test_pareto_front_keeps_the_undominated_rows():
+    df = pd.DataFrame({"cost": [1.0, 2.0, 3.0, 2.0, None], "quality": [0.5, 0.9, 0.9, 0.4, 1.0]})
+    # (1, .5) cheapest; (2, .9) best per cost; (3, .9) dominated by (2, .9); (2, .4) by (1, .5); None: not measured
+    assert list(pareto_front(df, "cost", "quality")) == [True, True, False, False, False]
+    assert list(pareto_front(df, "cost", "quality", x_better="max")) == [False, False, True, False, False]
+
+
+def test_markdown_table_formats_and_escapes():
+    text = markdown_table(pd.DataFrame({"a": ["x|y", None], "b": [1.234567, float("nan")]}))
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 1.235 |", "|  |  |"]
+
+
+def test_kvlab_report_logs_a_wandb_table(sweep, tmp_path):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path), "--wandb", "on"],
+                         env=run_env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "logged the leaderboard to W&B (offline)" in out.stdout
+    [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/leaderboard_*.table.json")
+    data = json.loads(table.read_text())
+    assert data["columns"][:3] == ["dataset", "model", "method"]
+    assert [row[2] for row in data["data"]] == ["full", "snapkv", "streaming_llm"]
+    assert len(list(tmp_path.glob("wandb/offline-run-*/files/media/images/pareto/*.png"))) == 2
+
+
+def test_wandb_is_on_when_the_sweeps_runs_logged_to_it():
+    from kvlab.report import wandb_target
+
+    logged = pd.DataFrame({"logger._target_": ["kvlab.loggers.wandb_run.WandbLogger"], "logger.project": ["p"],
+                           "logger.entity": [None], "logger.group": ["smoke"], "logger.mode": ["offline"]})
+    assert wandb_target(logged) == {"project": "p", "entity": None, "group": "smoke", "mode": "offline"}
+    assert wandb_target(logged.assign(**{"logger.mode": "disabled"})) is None
+    assert wandb_target(pd.DataFrame({"logger": [None]})) is None  # logger=none
