@@ -54,12 +54,14 @@ _off: dict = {}
 @pytest.mark.parametrize("model", SETUPS)
 @pytest.mark.parametrize("eviction, match", [("lru", "page"), ("lru", "token"), pytest.param("lfu", "page", marks=SLOW),
                                              pytest.param("slru", "page", marks=SLOW),
-                                             pytest.param("arc", "token", marks=SLOW)])
+                                             pytest.param("arc", "token", marks=SLOW), ("lru", "radix"),
+                                             pytest.param("arc", "radix", marks=SLOW)])
 def test_greedy_outputs_with_prefix_caching_equal_outputs_without(model, eviction, match):
     if model not in _off:
         _off[model] = run_batches(model, False)
     off, _ = _off[model]
-    on, stats = run_batches(model, True, prefix_eviction=eviction, prefix_match=match)
+    cache = {"prefix_cache": "radix"} if match == "radix" else {"prefix_match": match}
+    on, stats = run_batches(model, True, prefix_eviction=eviction, **cache)
     assert on == off
     assert stats["prefix_hit_tokens"] >= 3 * 12  # later requests found at least the system prompt's pages
     assert stats["prefix_evictions"] > 0
