@@ -163,7 +163,9 @@ def reading(runs: list[dict]) -> list[str]:
                    f"38.2 %, and {pct(share['paged b16'])} % with paging at block 16 (paper: 96.3 %, < 4 % waste). "
                    f"At 10x arrivals paging runs {batch['paged b16'] / batch['contiguous max_model_len']:.2f}x the mean "
                    f"batch of max reservation and {tput['paged b16'] / tput['contiguous max_model_len']:.2f}x its "
-                   "modelled throughput (paper: 2-4x).")
+                   "modelled throughput (paper: 2-4x). "
+                   f"{get(trace, 1, 'paged b16', 'requests_cut'):.0f} of the {runs[0]['workload']['num_requests']} "
+                   "requests had their prompt cut to fit max_model_len.")
     out += ["- Why the contiguous baselines waste less than in the paper: the Azure requests are long (conversation: "
             "1,155 prompt + 211 output tokens on average; code: 2,048 + 28), so a 2,048-token reservation is mostly "
             "filled, where the paper's ShareGPT / Alpaca requests are a few hundred tokens. The same mechanism shows: "
