@@ -85,3 +85,24 @@ def test_bad_input_is_refused_before_any_work():
         TraceBookkeeping(step_s=-1.0)
     with pytest.raises(ValueError, match="kv_tokens"):
         replay_bookkeeping([TraceRequest(0.0, 3, 2)], kv_tokens=8, max_model_len=16)
+
+
+@pytest.mark.parametrize("cache", ["hash", "radix"])
+def test_a_shared_system_prompt_buys_batch_when_pages_are_shared(cache):
+    # a 64-token system prompt + 16 own tokens; the first request is computed before the others arrive
+    reqs = [TraceRequest(0.0 if i == 0 else 0.05, 64 + 16, 8) for i in range(12)]
+    alone = replay_bookkeeping(reqs, "paged", {}, 16, kv_tokens=512, max_model_len=128, system_prompt_tokens=64)
+    shared = replay_bookkeeping(reqs, "paged", {}, 16, kv_tokens=512, max_model_len=128, system_prompt_tokens=64,
+                                prefix_cache=cache)
+    assert alone.summary["max_concurrent_seqs"] <= 512 // 96 + 1
+    assert shared.summary["max_concurrent_seqs"] > alone.summary["max_concurrent_seqs"]
+    assert shared.summary["prefix_hit_tokens"] >= 11 * 64  # every later request found the system prompt
+    assert shared.summary["num_requests"] == 12 and shared.summary["generated_tokens"] == 12 * 8
+
+
+def test_prefix_sharing_in_the_replay_needs_a_sharing_allocator():
+    with pytest.raises(ValueError, match="prefix caching needs an allocator that shares cached pages"):
+        replay_bookkeeping([TraceRequest(0.0, 8, 2)], "contiguous", {}, 4, kv_tokens=64, max_model_len=16,
+                           prefix_cache="hash")
+    with pytest.raises(ValueError, match="system_prompt_tokens"):
+        TraceBookkeeping(system_prompt_tokens=4096, max_model_len=2048)

@@ -81,13 +81,27 @@ def fit_requests(rows: list[tuple[float, int, int]], max_model_len: int) -> tupl
 def replay_bookkeeping(requests: list[TraceRequest], allocator: str = "paged", allocator_args: dict | None = None,
                        block_size: int = 16, kv_tokens: int = 32768, max_model_len: int = 2048,
                        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, step_s: float = 0.02,
-                       token_s: float = 1e-4, speedup: float = 1.0) -> BookkeepingResult:
-    """Replay `requests` at their arrival times (divided by `speedup`) without a model."""
+                       token_s: float = 1e-4, speedup: float = 1.0, system_prompt_tokens: int = 0,
+                       prefix_cache: str | None = None, prefix_eviction: str = "lru",
+                       seed: int = 0) -> BookkeepingResult:
+    """Replay `requests` at their arrival times (divided by `speedup`) without a model.
+
+    `system_prompt_tokens`: one shared prompt of that many tokens before every request's own prompt
+    (`TraceRequest.prompt_tokens` counts it). `prefix_cache`: None (no sharing), "hash" or "radix", with
+    the `prefix_eviction` policy; then every request's own tokens and outputs are distinct random ids
+    (seeded), so only the system prompt and a request's own pages after a preemption can hit. With
+    sharing, a shared page counts once per sequence holding it in `tokens` (logical token states)."""
+    import random
+
     if kv_tokens < max_model_len:
         raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one max_model_len ({max_model_len}) sequence")
     num_blocks = kv_tokens // block_size
     alloc = ALLOCATORS.build(allocator, **(allocator_args or {}))
-    bm = BlockManager([LayerGroup((0,))], alloc, num_blocks, block_size, max_model_len, max_num_batched_tokens)
+    cache, match = _prefix_cache(prefix_cache, prefix_eviction, block_size)
+    bm = BlockManager([LayerGroup((0,))], alloc, num_blocks, block_size, max_model_len, max_num_batched_tokens,
+                      cache, match)
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 1 << 30) for _ in range(system_prompt_tokens)]
     scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens)
     pool = num_blocks * block_size
     metrics = Metrics(pool_slots=pool, num_blocks=num_blocks)
@@ -98,7 +112,9 @@ def replay_bookkeeping(requests: list[TraceRequest], allocator: str = "paged", a
     while nxt < len(order) or scheduler.has_unfinished():
         while nxt < len(order) and requests[order[nxt]].arrival_s / speedup <= t:
             r = requests[order[nxt]]
-            seq = Sequence(nxt, [0] * r.prompt_tokens, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+            own = r.prompt_tokens - len(system)
+            ids = system + ([rng.randrange(1, 1 << 30) for _ in range(own)] if cache else [0] * own)
+            seq = Sequence(nxt, ids, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                            r.prompt_tokens + r.output_tokens, r.arrival_s / speedup)
             error = bm.capacity_error(seq)
             if error:
@@ -119,13 +135,34 @@ def replay_bookkeeping(requests: list[TraceRequest], allocator: str = "paged", a
         metrics.record_step(bm.num_used_blocks(), [(s.seq_id, *bm.waste_view(s)) for s in scheduler.running],
                             result.steps[-1][COLUMNS.index("external")], batch.num_preempted)
         for seq in [s for s in batch.seqs if s.status is SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens]:
-            seq.token_ids.append(0)
+            seq.token_ids.append(rng.randrange(1, 1 << 30) if cache else 0)
             if seq.num_output_tokens >= seq.params.max_tokens:
                 metrics.record_finish(seq.seq_id, bm.cached_total(seq), seq.num_prompt_tokens, seq.num_output_tokens,
                                       None, None)
                 scheduler.finish(seq, "length")
     result.summary = _summary(result, metrics, t, busy_steps)
+    if cache is not None:
+        st = cache.stats
+        result.summary.update(prefix_hit_rate_tokens=st.hit_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+                              prefix_hit_tokens=st.hit_tokens, prefix_evictions=st.evictions,
+                              kv_blocks_peak=metrics.blocks_peak, kv_blocks_mean=metrics.blocks_sum / max(1, metrics.num_steps))
     return result
+
+
+def _prefix_cache(kind: str | None, eviction: str, block_size: int):
+    """(prefix cache or None, the block manager's prefix_match) by name."""
+    if kind is None:
+        return None, "page"
+    from kvlab.prefix_cache import PrefixCache
+    from kvlab.radix_cache import RadixCache
+    from kvlab.registry import PREFIX_EVICTIONS
+
+    policy = PREFIX_EVICTIONS.build(eviction)
+    if kind == "radix":
+        return RadixCache(block_size, policy, b"replay"), "token"
+    if kind == "hash":
+        return PrefixCache(block_size, policy, b"replay"), "page"
+    raise ValueError(f"prefix_cache must be None, 'hash' or 'radix', got {kind!r}")
 
 
 def _breakdown(t: float, scheduler: Scheduler, bm: BlockManager, final: dict[int, int], pool: int) -> tuple:
@@ -184,12 +221,16 @@ class TraceBookkeeping(Task):
     step_s: float = 0.02           # modelled cost of a step (s) ...
     token_s: float = 1e-4          # ... plus this per token computed in it
     timeline_rows: int = 2000      # rows kept in the logged timeline table (evenly spaced steps)
+    system_prompt_tokens: int = 0  # one shared system prompt of this many tokens before every request
 
     def __post_init__(self) -> None:
         check_positive(self, "num_requests", "kv_tokens", "max_model_len", "speedup", "timeline_rows")
         if self.start < 0 or self.step_s < 0 or self.token_s < 0 or self.step_s + self.token_s == 0:
             raise ValueError(f"TraceBookkeeping: start, step_s and token_s must be >= 0 (and a step must cost "
                              f"time), got start={self.start}, step_s={self.step_s}, token_s={self.token_s}")
+        if not 0 <= self.system_prompt_tokens < self.max_model_len - 1:
+            raise ValueError(f"TraceBookkeeping.system_prompt_tokens must be in [0, max_model_len - 1), got "
+                             f"{self.system_prompt_tokens}")
         if self.kv_tokens < self.max_model_len:
             raise ValueError(f"TraceBookkeeping.kv_tokens ({self.kv_tokens}) must hold one max_model_len "
                              f"({self.max_model_len}) sequence")
@@ -204,10 +245,15 @@ class TraceBookkeeping(Task):
         if len(rows) < self.num_requests:
             raise ValueError(f"trace {self.trace!r} has only {len(rows)} rows from row {self.start}")
         t0 = rows[0][0]
-        requests, cut = fit_requests([(t - t0, c, g) for t, c, g in rows], self.max_model_len)
+        sys_len = self.system_prompt_tokens
+        requests, cut = fit_requests([(t - t0, c, g) for t, c, g in rows], self.max_model_len - sys_len)
+        for r in requests:
+            r.prompt_tokens += sys_len
         out = replay_bookkeeping(requests, cfg.allocator, cfg.allocator_args, cfg.block_size, self.kv_tokens,
                                  self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.step_s,
-                                 self.token_s, self.speedup)
+                                 self.token_s, self.speedup, sys_len,
+                                 cfg.prefix_cache if cfg.enable_prefix_caching else None, cfg.prefix_eviction,
+                                 ctx.seed)
         metrics = {f"waste/{k}": v for k, v in out.summary.items()}
         metrics["waste/requests_cut"] = cut
         stride = max(1, len(out.steps) // self.timeline_rows)
