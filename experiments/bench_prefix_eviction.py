@@ -1,4 +1,6 @@
-"""Prefix-cache eviction policies when the pool cannot keep every prefix: token hit rate per policy.
+"""Prefix-cache eviction policies when the pool cannot keep every prefix: token hit rate per policy and per
+prefix cache (`hash`: chained block hashes, whole pages; `hash-token`: the same, plus the first tokens of one
+more cached page; `radix`: the radix tree, token-granular, keeping partly filled last pages).
 
 The hit rate is a property of the page bookkeeping alone (which pages stay findable), not of the
 model, so this drives kvlab's own BlockManager + PagedAllocator + PrefixCache (torch-free) with
@@ -25,6 +27,7 @@ from pathlib import Path
 from kvlab.allocators import PagedAllocator
 from kvlab.block_manager import BlockManager, LayerGroup
 from kvlab.prefix_cache import PrefixCache
+from kvlab.radix_cache import RadixCache
 from kvlab.registry import PREFIX_EVICTIONS
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence
@@ -57,10 +60,20 @@ def multi_turn(args, rng: random.Random) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def simulate(policy: str, num_blocks: int, pairs: list[tuple[list[int], list[int]]], args) -> float:
+def make_cache(kind: str, policy: str, block_size: int) -> tuple[PrefixCache, str]:
+    """A prefix cache by name and the block manager's prefix_match for it."""
+    eviction = PREFIX_EVICTIONS.build(policy)
+    if kind == "radix":
+        return RadixCache(block_size, eviction, b"sim"), "token"
+    return PrefixCache(block_size, eviction, b"sim"), "token" if kind == "hash-token" else "page"
+
+
+def simulate(policy: str, num_blocks: int, pairs: list[tuple[list[int], list[int]]], args,
+             kind: str = "hash") -> float:
     """Token hit rate of one run: requests admitted in order, at most --concurrency at a time."""
-    cache = PrefixCache(args.block_size, PREFIX_EVICTIONS.build(policy), b"sim")
-    bm = BlockManager([LayerGroup((0,))], PagedAllocator(), num_blocks, args.block_size, 1 << 20, 1 << 20, cache)
+    cache, match = make_cache(kind, policy, args.block_size)
+    bm = BlockManager([LayerGroup((0,))], PagedAllocator(), num_blocks, args.block_size, 1 << 20, 1 << 20, cache,
+                      match)
     waiting = deque(Sequence(i, p, SamplingParams(max_tokens=args.decode), len(p) + args.decode, 0.0)
                     for i, (p, _) in enumerate(pairs))
     running: list[Sequence] = []
@@ -104,21 +117,24 @@ def main(argv=None) -> None:
         need = max(-(-(len(p) + args.decode) // args.block_size) for p in prompts) * args.concurrency
         for fraction in args.pool_multiples:
             blocks = int(fraction * need)
-            rates = {p: simulate(p, blocks, pairs, args) for p in PREFIX_EVICTIONS.names()}
+            rates = {f"{p}/{c}": simulate(p, blocks, pairs, args, c) for c in args.caches
+                     for p in PREFIX_EVICTIONS.names()}
             rows.append((workload, fraction, blocks, distinct, rates))
             print(workload, fraction, blocks, {k: round(v, 3) for k, v in rates.items()}, flush=True)
     write_report(rows, args)
 
 
 def write_report(rows, args) -> None:
-    names = PREFIX_EVICTIONS.names()
+    names = [f"{p}/{c}" for c in args.caches for p in PREFIX_EVICTIONS.names()]
     lines = ["# Prefix-cache eviction policies: token hit rate when the pool cannot keep every prefix", "",
              "Command: `" + " ".join(["python experiments/bench_prefix_eviction.py", *sys.argv[1:]]) + "`  ",
-             "Pure bookkeeping (kvlab's BlockManager, PagedAllocator and PrefixCache driven with synthetic token ids; "
+             "Pure bookkeeping (kvlab's BlockManager, PagedAllocator and PrefixCache / RadixCache driven with synthetic token ids; "
              "no model): hit rates do not depend on the machine's load.", "",
              f"{args.num_requests} requests, block {args.block_size}, at most {args.concurrency} running, "
              f"{args.decode} new tokens each; seed {args.seed}. Pool = multiple x the pages the running requests "
-             "can need at most (concurrency x the longest request); all policies see the same requests.", "",
+             "can need at most (concurrency x the longest request); all policies see the same requests. Columns: "
+             "`policy/cache` (hash: whole pages; hash-token: + one partly matched cached page; radix: radix tree, "
+             "also keeping partly filled last pages).", "",
              "| workload | pool multiple | pages | distinct prompt pages | " + " | ".join(names) + " |",
              "|" + "---|" * (4 + len(names))]
     for workload, fraction, blocks, distinct, rates in rows:
@@ -140,6 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--pool-multiples", type=float, nargs="+", default=[1.0, 1.5, 2.0, 3.0],
                    help="pool sizes, in multiples of the pages the running requests can need at most")
+    p.add_argument("--caches", nargs="+", default=["hash", "hash-token", "radix"],
+                   choices=["hash", "hash-token", "radix"], help="prefix caches compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "prefix_eviction.md"))
     return p.parse_args(argv)

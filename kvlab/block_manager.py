@@ -232,6 +232,9 @@ class BlockManager:
             self.allocator.append_slots(key, num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:  # the radix tree keeps the partly filled last page
+            self.prefix_cache.retire(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+                                     [self.allocator.block_table(k) for k in self._keys(seq)])
         for key in self._keys(seq):
             self.allocator.free(key)
         if self.prefix_cache is not None:

@@ -67,6 +67,7 @@ class EngineConfig:
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise
     enable_prefix_caching: bool = False  # share full pages of common prefixes between requests (hashed)
     prefix_match: Literal["page", "token"] = "page"  # token: also share a cached page's first tokens (copied on write)
+    prefix_cache: Literal["hash", "radix"] = "hash"  # the index of cached pages: hashed blocks | radix tree (always token-granular)
     prefix_eviction: str = "lru"  # registered prefix-cache eviction policy (which cached-free page goes first)
     prefix_eviction_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
 

@@ -29,6 +29,7 @@ from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import RequestOutput, ScoreOutput
 from kvlab.prefix_cache import PrefixCache, PrefixStats
+from kvlab.radix_cache import RadixCache
 from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sampler import request_generator, sample
 from kvlab.sampling_params import SamplingParams
@@ -156,12 +157,13 @@ class LLMEngine:
         prefix_cache = None
         if config.enable_prefix_caching:
             salt = repr((config.model, config.quant, sorted(config.quant_args.items()), config.dtype)).encode()
-            prefix_cache = PrefixCache(config.block_size,
-                                       PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args),
-                                       salt)
+            eviction = PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+            prefix_cache = (RadixCache(config.block_size, eviction, salt) if config.prefix_cache == "radix"
+                            else PrefixCache(config.block_size, eviction, salt))
+        match = "token" if config.prefix_cache == "radix" else config.prefix_match  # a radix tree matches tokens
         self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
                                           num_blocks, config.block_size, self.max_model_len,
-                                          config.max_num_batched_tokens, prefix_cache, config.prefix_match)
+                                          config.max_num_batched_tokens, prefix_cache, match)
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device, residual_rows=residual_rows)
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects

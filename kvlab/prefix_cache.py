@@ -154,16 +154,30 @@ class PrefixCache:
             tokens = self._block(token_ids, i)
             h, node = self._find(parent, tokens, salt)
             if node is None:
-                node = Node(h, tokens, parent, salt)
-                self.index.setdefault(h, []).append(node)
-                (parent.children if parent is not None else self.roots.setdefault(salt, [])).append(node)
-            for g, table in enumerate(tables):
-                page = table[i] if i < len(table) else -1
-                if page >= 0 and g not in node.pages and page not in self.page_node:
-                    node.pages[g] = page
-                    self.page_node[page] = (node, g)
-                    self.eviction.register(page, node.hash)
+                node = self._add_node(h, tokens, parent, salt)
+            self._register(node, [table[i] if i < len(table) else -1 for table in tables])
             chain.append(node)
+
+    def retire(self, seq_id: int, token_ids: list[int], num_computed: int, salt: bytes,
+               tables: list[list[int]]) -> None:
+        """`seq_id` is about to give its pages back (finished or preempted). The hashed cache keeps
+        full pages only (registered by `commit`); the radix tree (kvlab.radix_cache) also keeps the
+        partly filled last page."""
+
+    def _add_node(self, h: int, tokens: tuple, parent: Node | None, salt: bytes) -> Node:
+        """A new node in the index and under its parent (or among the salt's roots)."""
+        node = Node(h, tokens, parent, salt)
+        self.index.setdefault(h, []).append(node)
+        (parent.children if parent is not None else self.roots.setdefault(salt, [])).append(node)
+        return node
+
+    def _register(self, node: Node, pages: list[int]) -> None:
+        """`pages[g]` (-1: none) holds `node`'s tokens in group g; registered unless taken already."""
+        for g, page in enumerate(pages):
+            if page >= 0 and g not in node.pages and page not in self.page_node:
+                node.pages[g] = page
+                self.page_node[page] = (node, g)
+                self.eviction.register(page, node.hash)
 
     # -- pages -------------------------------------------------------------------
     def is_registered(self, page: int) -> bool:
@@ -192,13 +206,16 @@ class PrefixCache:
         del node.pages[group]
         self.eviction.forget(page)
         while node is not None and node.alive and not node.pages and not node.children:
-            bucket = self.index[node.hash]
-            bucket.remove(node)
-            if not bucket:
-                del self.index[node.hash]
+            self._drop_from_index(node)
             node.alive = False
             siblings = node.parent.children if node.parent is not None else self.roots[node.salt]
             siblings.remove(node)
             if node.parent is None and not siblings:
                 del self.roots[node.salt]
             node = node.parent
+
+    def _drop_from_index(self, node: Node) -> None:
+        bucket = self.index[node.hash]
+        bucket.remove(node)
+        if not bucket:
+            del self.index[node.hash]

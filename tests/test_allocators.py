@@ -357,6 +357,18 @@ def test_contiguous_reserves_max_model_len_by_default():
         b.append_slots(0, 4)
 
 
+def test_contiguous_pow2_reserves_the_request_rounded_up_to_a_power_of_two():
+    a = make("contiguous", 128, 1, max_model_len=48, reserve="pow2")  # Orca (Pow2), Kwon et al. Fig. 2
+    a.allocate(0, 5, 9)
+    assert a.allocated_slots(0) == 16  # 9 -> 16
+    a.allocate(1, 3, 8)
+    assert a.allocated_slots(1) == 8  # a power of two stays
+    a.allocate(2, 3, 40)
+    assert a.allocated_slots(2) == 48  # 64 would pass max_model_len: capped there
+    with pytest.raises(ValueError, match="pow2"):
+        ALLOCATORS.build("contiguous", reserve="pow3")
+
+
 def test_paged_release_before_frees_only_whole_blocks_before_the_index():
     a = make("paged", 8, 4)
     a.allocate(0, 10, 10)  # blocks for tokens 0-3, 4-7, 8-9

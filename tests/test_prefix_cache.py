@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvlab.allocators import NULL_BLOCK, PagedAllocator
 from kvlab.block_manager import BlockManager, LayerGroup
 from kvlab.prefix_cache import PrefixCache, chain_hash, request_salt
+from kvlab.radix_cache import RadixCache
 from kvlab.registry import PREFIX_EVICTIONS
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence
@@ -26,8 +27,12 @@ def collide(salt, parent, tokens) -> int:
     return 0  # every block has the same hash: only the token / parent comparison keeps them apart
 
 
-def make_manager(groups, num_blocks=16, block_size=2, eviction="lru", hash_fn=chain_hash, max_chunk=4, match="page"):
-    cache = PrefixCache(block_size, PREFIX_EVICTIONS.build(eviction), b"model", hash_fn)
+def make_manager(groups, num_blocks=16, block_size=2, eviction="lru", hash_fn=chain_hash, max_chunk=4, match="page",
+                 radix=False):
+    if radix:  # the radix tree: no hash, always token-granular
+        cache, match = RadixCache(block_size, PREFIX_EVICTIONS.build(eviction), b"model"), "token"
+    else:
+        cache = PrefixCache(block_size, PREFIX_EVICTIONS.build(eviction), b"model", hash_fn)
     return BlockManager(groups, PagedAllocator(), num_blocks, block_size, 64, max_chunk, cache, match)
 
 
@@ -123,9 +128,10 @@ class Shadow:
             while n is not None:
                 prefix[:0] = n.tokens
                 n = n.parent
-            depth = len(prefix) // bs - 1
-            for j in range(bs):
-                assert self.content[page][j] == tuple(prefix[: depth * bs + j + 1])
+            start = len(prefix) - len(node.tokens)  # a radix leaf may hold a partly filled page
+            assert start % bs == 0 and 0 < len(node.tokens) <= bs
+            for j in range(len(node.tokens)):
+                assert self.content[page][j] == tuple(prefix[: start + j + 1])
 
 
 GROUPS = [LayerGroup((0,)), LayerGroup((1,), sliding_window=5)]
@@ -141,14 +147,21 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("eviction, match", [("lru", "page"), ("lfu", "page"), ("slru", "page"), ("arc", "page"),
-                                             ("lru", "token"), ("arc", "token")])
-@pytest.mark.parametrize("hash_fn", [chain_hash, collide], ids=["blake2b", "colliding"])
+CASES = [pytest.param(e, m, h, id=f"{e}-{m}-{name}") for e, m in [("lru", "page"), ("lfu", "page"), ("slru", "page"),
+                                                                    ("arc", "page"), ("lru", "token"), ("arc", "token")]
+         for h, name in [(chain_hash, "blake2b"), (collide, "colliding")]]
+CASES += [pytest.param(e, "radix", None, id=f"{e}-radix") for e in ("lru", "lfu", "slru", "arc")]  # hashes nothing
+
+
+@pytest.mark.parametrize("eviction, match, hash_fn", CASES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40))
 def test_random_operations_keep_pages_and_contents_consistent(eviction, match, hash_fn, ops):
-    shadow = Shadow(make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn, match=match, block_size=4)
-                    if match == "token" else make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn))
+    radix = match == "radix"
+    shadow = Shadow(make_manager(GROUPS, num_blocks=14, eviction=eviction, hash_fn=hash_fn, match=match, block_size=4,
+                                 radix=radix)
+                    if match in ("token", "radix") else make_manager(GROUPS, num_blocks=14, eviction=eviction,
+                                                                     hash_fn=hash_fn))
     for kind, *args in ops:
         if kind == "add":
             t, length, extra, chunk = args
@@ -302,3 +315,50 @@ def test_token_granularity_shares_a_cached_page_up_to_the_divergence_then_copies
     shadow.admit(again, 16)
     assert shadow.hits == 6 + 8  # the cached page was never written by `other`
     shadow.check()
+
+
+def test_radix_keeps_a_finished_sequences_partly_filled_page_and_shares_it_up_to_the_divergence():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=4, radix=True))
+    turn1 = shadow.new_seq([1, 2, 3, 4, 5, 6])  # one full page + [5 6] in a partly filled one
+    shadow.admit(turn1, 16)
+    shadow.step(turn1, 1, 7)  # decodes 7: 7 tokens computed, the last page holds [5 6 7]
+    shadow.free(turn1)
+    shadow.check()
+    turn2 = shadow.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])  # the next turn: the conversation so far + more
+    shadow.admit(turn2, 16)
+    assert shadow.hits == 7 and shadow.bm.num_cow_copies == 1  # the partial page, shared then copied
+    shadow.check()
+    hashed = Shadow(make_manager([LayerGroup((0,))], block_size=4, match="token"))  # the hashed cache keeps
+    first = hashed.new_seq([1, 2, 3, 4, 5, 6])                                      # full pages only
+    hashed.admit(first, 16)
+    hashed.step(first, 1, 7)
+    hashed.free(first)
+    hashed.admit(hashed.new_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), 16)
+    assert hashed.hits == 4
+
+
+def test_radix_partial_page_is_never_a_stale_hit_after_eviction():
+    shadow = Shadow(make_manager([LayerGroup((0,))], num_blocks=3, block_size=4, radix=True))
+    first = shadow.new_seq([1, 2, 3, 4, 5, 6])
+    shadow.admit(first, 16)
+    shadow.free(first)  # pages [1 2 3 4] and [5 6] cached-free
+    other = shadow.new_seq([9, 9, 9, 9, 9, 9, 9, 9, 9, 9])  # needs all 3 pages: both cached ones evicted
+    shadow.admit(other, 16)
+    shadow.free(other)
+    shadow.check()
+    again = shadow.new_seq([1, 2, 3, 4, 5, 6, 7])
+    shadow.admit(again, 16)
+    assert shadow.hits == 0  # nothing of the first request survived: no stale hit
+    shadow.check()
+
+
+def test_radix_pages_of_a_failed_step_are_not_kept():
+    shadow = Shadow(make_manager([LayerGroup((0,))], block_size=4, radix=True))
+    seq = shadow.new_seq([1, 2, 3, 4, 5, 6])
+    shadow.admit(seq, 16)
+    shadow.bm.append(seq, 1)  # a step that never completes: its count is not what commit recorded
+    seq.token_ids.append(7)
+    seq.num_computed_tokens += 1
+    shadow.bm.free(seq)
+    shadow.live.remove(seq)
+    assert not any(len(node.tokens) < 4 for node, _ in shadow.bm.prefix_cache.page_node.values())

@@ -54,12 +54,14 @@ _off: dict = {}
 @pytest.mark.parametrize("model", SETUPS)
 @pytest.mark.parametrize("eviction, match", [("lru", "page"), ("lru", "token"), pytest.param("lfu", "page", marks=SLOW),
                                              pytest.param("slru", "page", marks=SLOW),
-                                             pytest.param("arc", "token", marks=SLOW)])
+                                             pytest.param("arc", "token", marks=SLOW), ("lru", "radix"),
+                                             pytest.param("arc", "radix", marks=SLOW)])
 def test_greedy_outputs_with_prefix_caching_equal_outputs_without(model, eviction, match):
     if model not in _off:
         _off[model] = run_batches(model, False)
     off, _ = _off[model]
-    on, stats = run_batches(model, True, prefix_eviction=eviction, prefix_match=match)
+    cache = {"prefix_cache": "radix"} if match == "radix" else {"prefix_match": match}
+    on, stats = run_batches(model, True, prefix_eviction=eviction, **cache)
     assert on == off
     assert stats["prefix_hit_tokens"] >= 3 * 12  # later requests found at least the system prompt's pages
     assert stats["prefix_evictions"] > 0
@@ -163,6 +165,10 @@ def test_a_cache_salt_of_the_wrong_type_is_rejected(salt):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(policy="snapkv"), "enable_prefix_caching with policy 'snapkv' is not supported yet"),
     (dict(allocator="contiguous"), "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
+    (dict(allocator="contiguous", prefix_cache="radix"),
+     "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
+    (dict(policy="snapkv", prefix_cache="radix"), "enable_prefix_caching with policy 'snapkv' is not supported yet"),
+    (dict(prefix_cache="trie"), r"prefix_cache: .*'trie'"),
 ])
 def test_prefix_caching_with_an_unsupported_feature_fails_before_the_model_loads(kwargs, message, monkeypatch):
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))

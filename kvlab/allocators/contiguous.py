@@ -2,7 +2,8 @@
 
 At admission a sequence reserves one contiguous run of slots for the longest it
 may become (`max_tokens`: the request's prompt plus max new tokens, or the
-engine's max_model_len when `reserve="max_model_len"`), first fit. Nothing is
+engine's max_model_len when `reserve="max_model_len"`, or the request's length rounded up to a
+power of two when `reserve="pow2"`: Orca (Max / Oracle / Pow2) in Kwon et al.'s Fig. 2), first fit. Nothing is
 shared; the unwritten part of each reservation and the holes between
 reservations are the 60-80% waste of Kwon et al. 2023 (arXiv:2309.06180), §3.
 """
@@ -21,11 +22,11 @@ from kvlab.registry import ALLOCATORS
 class ContiguousAllocator(Allocator):
     """One contiguous reservation per sequence, sized for its maximum length, first fit."""
 
-    reserve: str = "max_model_len"  # "max_model_len" (classic) or "request" (prompt + max new tokens)
+    reserve: str = "max_model_len"  # "max_model_len" (classic) | "request" (prompt + max new tokens) | "pow2" (that, rounded up to a power of two)
 
     def __post_init__(self) -> None:
-        if self.reserve not in ("max_model_len", "request"):
-            raise ValueError(f"contiguous.reserve must be 'max_model_len' or 'request', got {self.reserve!r}")
+        if self.reserve not in ("max_model_len", "request", "pow2"):
+            raise ValueError(f"contiguous.reserve must be 'max_model_len', 'request' or 'pow2', got {self.reserve!r}")
 
     def _reset(self) -> None:
         self.runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # sorted free (start, length)
@@ -65,6 +66,8 @@ class ContiguousAllocator(Allocator):
 
     def reservation(self, num_tokens: int, max_tokens: int) -> int:
         limit = self.max_model_len if self.reserve == "max_model_len" else max_tokens
+        if self.reserve == "pow2":
+            limit = min(1 << max(limit - 1, 0).bit_length(), max(self.max_model_len, limit))
         return max(num_tokens, limit)
 
     def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
