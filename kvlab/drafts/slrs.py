@@ -170,39 +170,54 @@ class SLRSDraft(DraftModel):
             self._bridge.forget(seq_id)
 
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
+        """Every sequence's draft chain in lockstep (one batched forward per draft token), then psi
+        for the sampled ones, one sequence at a time."""
         if self._model is None:
             raise RuntimeError("draft 'slrs' was not set up: the engine calls setup(engine) first")
-        return [self._propose_one(s, n, g) for s, n, g in zip(seqs, lengths, generators)]
+        d, t = self._bridge.draft, self._bridge.target
+        contexts = [self._bridge.to_draft(s.token_ids, s.seq_id) for s in seqs]
+        paths, texts = [[] for _ in seqs], [b"" for _ in seqs]
+        active = [i for i, c in enumerate(contexts) if c]  # a context of special tokens only: nothing to draft from
+        while active:  # every draft token adds a byte: this ends
+            active = [i for i in active if len(segment(texts[i], t, lengths[i])) < lengths[i]]
+            if not active:
+                break
+            q = self._forward([contexts[i] + paths[i] for i in active], [seqs[i].params for i in active])
+            self.evaluations += len(active)
+            for row, i in enumerate(active):
+                greedy = seqs[i].params.greedy
+                token = int(q[row].argmax()) if greedy else int(torch.multinomial(q[row], 1, generator=generators[i]))
+                paths[i].append(token)
+                texts[i] += d.token_bytes[token]
+        out = []
+        for seq, context, text, n in zip(seqs, contexts, texts, lengths):
+            tokens = [tok for tok, _ in segment(text, t, n)]
+            if seq.params.greedy or not tokens:
+                out.append(Proposal(tokens))
+                continue
+            next_probs = self._cached_forward(context, seq.params)
+            psi = [token_proposal(next_probs, tokens[:i], d, t, self._target_vocab)[0] for i in range(len(tokens))]
+            out.append(Proposal(tokens, torch.stack(psi).float()))
+        return out
 
-    def _propose_one(self, seq, n: int, generator) -> Proposal:
-        context = self._bridge.to_draft(seq.token_ids, seq.seq_id)
-        if not context:  # no text yet (only special tokens): nothing to condition the draft on
-            return Proposal([])
+    def _cached_forward(self, context: list[int], params):
+        """next_probs(paths) for `token_proposal`: the draft's distributions after context + path,
+        each distinct path computed once."""
         cache: dict[tuple, torch.Tensor] = {}
 
         def next_probs(paths: list[tuple]) -> torch.Tensor:
             todo = [p for p in dict.fromkeys(paths) if p not in cache]
             for start in range(0, len(todo), 256):
                 chunk = todo[start:start + 256]
-                for p, row in zip(chunk, self._forward([context + list(p) for p in chunk], seq.params)):
+                for p, row in zip(chunk, self._forward([context + list(p) for p in chunk], [params] * len(chunk))):
                     cache[p] = row
             self.evaluations += len(todo)
             return torch.stack([cache[p] for p in paths])  # [len(paths), V_draft]
 
-        d, t = self._bridge.draft, self._bridge.target
-        path, text = (), b""
-        while len(segment(text, t, n)) < n:  # every draft token adds a byte: this ends
-            q = next_probs([path])[0]
-            token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q, 1, generator=generator))
-            path, text = path + (token,), text + d.token_bytes[token]
-        tokens = [tok for tok, _ in segment(text, t, n)]
-        if seq.params.greedy:
-            return Proposal(tokens)
-        psi = [token_proposal(next_probs, tokens[:i], d, t, self._target_vocab)[0] for i in range(len(tokens))]
-        return Proposal(tokens, torch.stack(psi).float())
+        return next_probs
 
     @torch.no_grad()
-    def _forward(self, contexts: list[list[int]], params) -> torch.Tensor:
+    def _forward(self, contexts: list[list[int]], params: list) -> torch.Tensor:
         """Next-token distributions after each context [N, V_draft] (right-padded, one pass), over
         tokens that stand for text, with the request's temperature / top-k / top-p."""
         width = max(len(c) for c in contexts)
@@ -214,4 +229,4 @@ class SLRSDraft(DraftModel):
         logits = self._model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device)).logits
         last = logits[torch.arange(len(contexts)), torch.tensor([len(c) - 1 for c in contexts])].float().cpu()
         last = last.masked_fill(~self._has_text, float("-inf"))  # [N, V_draft]
-        return probabilities(last, [params] * len(contexts))
+        return probabilities(last, params)
