@@ -115,6 +115,8 @@ def evaluation_bound(draft: Vocabulary, target: Vocabulary, num_tokens: int) -> 
 class SLRSDraft(DraftModel):
     """Draft text in any vocabulary, verified at string level by exact rejection sampling (capped)."""
 
+    num_tokens: int = 2  # target tokens drafted per step, 1 .. MAX_TOKENS
+    max_num_tokens: int = 4  # longest chain when adaptive, num_tokens .. MAX_TOKENS
     model: str = "smollm2-135m"  # draft model: packaged name, local folder, .gguf file or random:<shape>
     seed: int = 0  # weights seed of a random:<shape> draft
     tokenizer: str | None = None  # the draft's tokenizer: None = the draft model's own, or a toy name
