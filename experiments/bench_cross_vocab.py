@@ -68,6 +68,7 @@ def main(argv=None) -> dict:
     from kvlab.models import load_model
 
     torch.set_num_threads(args.threads)
+    args.model = f"{args.target} (draft {args.draft})"  # what the shared report metadata names
     meta = metadata(args)
     target, draft = load_model(args.target), load_model(args.draft)
     engine = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=512)
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
                     vals = [x[k] for x in rs if k in x]
                     row[k] = statistics.median(vals) if vals else float("nan")
                 a, g = row["acceptance"], args.num_tokens
-                row["predicted_len"] = (1 - a ** (g + 1)) / (1 - a) if a == a and a < 1 else float("nan")
+                row["predicted_len"] = ((1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1.0) if a == a else float("nan")
                 row["identical"] = "yes" if all(x["identical"] for x in rs) else "NO"
                 rows.append(row)
     text = report(rows, meta, args)
