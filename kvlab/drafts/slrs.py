@@ -1,10 +1,13 @@
 """String-level rejection sampling (SLRS): the draft's text turned into a distribution over target tokens.
 
-Based on Timor et al., ICML 2025 (arXiv:2502.05202), Algorithm 3 and its Lemma on cost. The draft
-model samples tokens in its own vocabulary; the text they spell is cut into target tokens by
-longest match over the target's token texts, a token being fixed once the text reaches
-`longest target token` bytes past its start (`segment`); the first `num_tokens` fixed target
-tokens are proposed. For rejection sampling to stay lossless the verifier needs, for every
+Based on Timor et al., ICML 2025 (arXiv:2502.05202), Algorithm 3 and its lemma on cost, read from
+the paper. The draft model samples tokens in its own vocabulary; the text they spell is cut into
+target tokens, and rejection sampling runs on those target tokens against psi, the distribution
+over target tokens that the draft's sampling induces. kvlab's cut is longest match over the
+target's token texts, a token being fixed once the text reaches `longest target token` bytes past
+its start (`segment`): a deterministic, prefix-stable rule, so psi is exact (the paper leaves the
+re-tokenisation to the target's tokenizer; any fixed rule keeps the method lossless, only
+acceptance depends on it). The first `num_tokens` fixed target tokens are proposed. For rejection sampling to stay lossless the verifier needs, for every
 proposed position i, the exact probability psi_i(t | t_<i) that this process proposes target
 token t there given the tokens before it: the sum, over every sequence of draft tokens whose text
 cuts into t_<i then t, of the draft's probability of that sequence, normalised

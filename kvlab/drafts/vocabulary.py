@@ -220,10 +220,9 @@ class Bridge:
     def to_draft(self, target_ids: list, key: int | None = None) -> list:
         """The draft's ids for a target context, token by token (incremental per `key`: target
         contexts only grow)."""
-        done, out = self._contexts.get(key, (0, list(self.draft.prefix_ids))) if key is not None else \
-            (0, list(self.draft.prefix_ids))
-        if done > len(target_ids):
-            done, out = 0, list(self.draft.prefix_ids)
+        done, out = self._contexts.get(key, (0, self.draft.prefix_ids))
+        if done > len(target_ids):  # not the context this key translated before
+            done, out = 0, self.draft.prefix_ids
         out = list(out)
         for t in target_ids[done:]:
             if t in self.draft_of:
