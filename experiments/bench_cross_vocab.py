@@ -71,11 +71,14 @@ def main(argv=None) -> dict:
     args.model = f"{args.target} (draft {args.draft})"  # what the shared report metadata names
     meta = metadata(args)
     target, draft = load_model(args.target), load_model(args.draft)
-    engine = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=512)
-    plain = LLM(args.target, loaded=copy.deepcopy(target), **engine)
+    engine = dict(block_size=16, kv_cache_memory="128MiB", max_num_batched_tokens=512)
+    # one copy of the target for every kvlab engine (they re-wire its attention alike; memory is short
+    # here: a first run with a copy per engine was killed by the out-of-memory killer), the original
+    # for Hugging Face
+    shared = copy.deepcopy(target)
+    plain = LLM(args.target, loaded=shared, **engine)
     draft_args = {"model": args.draft, "num_tokens": args.num_tokens}
-    specs = {m: LLM(args.target, loaded=copy.deepcopy(target), draft=m, draft_args=draft_args, **engine)
-             for m in args.methods}
+    specs = {m: LLM(args.target, loaded=shared, draft=m, draft_args=draft_args, **engine) for m in args.methods}
     rows = []
     for task in args.tasks:
         ps = prompts(target.tokenizer, task)

@@ -180,3 +180,25 @@ def test_smollm2_drafting_for_gemma3_matches_plain(fresh_model, draft):
         LLM("gemma3-270m", loaded=copy.deepcopy(loaded), draft="slrs", draft_args={"model": "smollm2-135m"})
     with pytest.raises(ValueError, match="draft='slem' or draft='tli'"):
         LLM("gemma3-270m", loaded=copy.deepcopy(loaded), draft="model", draft_args={"model": "smollm2-135m"})
+
+
+@pytest.mark.heavy  # 2 x 1,000 sampled requests on the tiny model
+def test_tli_sampled_outputs_follow_the_plain_distribution():
+    """End to end through the engine: 1,000 seeded sampled requests (temperature 1, top-k 4) with
+    the `tli` draft (toy-b over toy-a, the target's own weights: drafts accepted and rejected) give
+    the same distribution of the 2nd and 3rd output tokens as plain sampling (two-sample
+    chi-square at 99.9%). tests/test_cross_vocab_verifier.py checks the arithmetic with 10^5 rows."""
+    from test_speculation import two_sample_chi_square
+    from test_verifier import chi2_critical
+
+    n, prompt = 1000, prompts(1)[0]
+    engine = dict(block_size=16, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)
+    sp = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(n)]
+    plain_out = [o.token_ids for o in LLM(MODEL, **engine).generate([prompt] * n, sp)]
+    llm = LLM(MODEL, draft="tli", draft_args={**ALIGNED, "num_tokens": 2}, **engine)
+    spec_out = [o.token_ids for o in llm.generate([prompt] * n, sp)]
+    stats = llm.stats()
+    assert stats["spec_drafted_tokens"] >= n and 0 < stats["spec_acceptance_rate"] < 1
+    for index in (1, 2):
+        stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
+        assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
