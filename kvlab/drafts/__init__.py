@@ -3,5 +3,8 @@
 from kvlab.drafts.base import DraftModel, Proposal
 from kvlab.drafts.model import ModelDraft
 from kvlab.drafts.ngram import NgramDraft
+from kvlab.drafts.slem import SLEMDraft
+from kvlab.drafts.slrs import SLRSDraft
+from kvlab.drafts.tli import TLIDraft
 
-__all__ = ["DraftModel", "ModelDraft", "NgramDraft", "Proposal"]
+__all__ = ["DraftModel", "ModelDraft", "NgramDraft", "Proposal", "SLEMDraft", "SLRSDraft", "TLIDraft"]

@@ -2,8 +2,8 @@
 Chen et al. 2023, arXiv:2302.01318).
 
 The draft shares the target's tokenizer (a different vocabulary is an error: that needs the
-heterogeneous-vocabulary drafts `slem` / `tli` of Timor et al. 2025, arXiv:2502.05202, not built
-yet). It runs inside kvlab's own machinery, batched: a second page pool (`KVCache` +
+heterogeneous-vocabulary drafts `slem` / `tli` of Timor et al. 2025, arXiv:2502.05202, which
+reuse this machinery through the hooks `_check_vocabulary`, `_context` and `_shadow_len`). It runs inside kvlab's own machinery, batched: a second page pool (`KVCache` +
 `BlockManager` + `ModelRunner`, the draft model on the kvlab_paged attention) holds one shadow
 sequence per drafted request. Each step every shadow is re-synced -- its table rolled back to the
 longest common prefix of the tokens it holds and the request's committed tokens (rejected drafts
@@ -50,7 +50,7 @@ class ModelDraft(DraftModel):
         cfg = engine.config
         dtype = getattr(torch, cfg.dtype)
         loaded = load_model(self.model, dtype=dtype, attn_implementation=attention.register(), seed=self.seed)
-        check_same_vocabulary(self.model, loaded, cfg.model, engine.model_config, engine.tokenizer)
+        self._check_vocabulary(loaded, engine)
         model = loaded.model.to(cfg.device).eval()
         mc = model.config
         groups = layer_groups(mc)
@@ -65,10 +65,25 @@ class ModelDraft(DraftModel):
         self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len, engine.max_model_len)
         self._runner = ModelRunner(model, cache, self._bm, cfg.device)
         self._shadows = {}
+        self._max_model_len = engine.max_model_len
+
+    def _check_vocabulary(self, loaded, engine) -> None:
+        check_same_vocabulary(self.model, loaded, engine.config.model, engine.model_config, engine.tokenizer)
+
+    def _context(self, seq: Sequence) -> list[int]:
+        """The token ids the draft model conditions on: the target's own (same vocabulary)."""
+        return seq.token_ids
 
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
+        drafted, probs = self._draft_chains(seqs, lengths, generators)
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
+
+    def _draft_chains(self, seqs, lengths, generators, allowed: torch.Tensor | None = None):
+        """Up to lengths[i] draft-vocabulary tokens per sequence, in k packed passes -> (tokens,
+        the distributions sampled rows drew them from). `allowed` [V_draft] bool: the only tokens
+        the draft may propose (its distribution restricted to them before temperature / top-k / top-p)."""
         if self._runner is None:
-            raise RuntimeError("draft 'model' was not set up: the engine calls setup(engine) first")
+            raise RuntimeError(f"draft {self.registry_name!r} was not set up: the engine calls setup(engine) first")
         live = {s.seq_id for s in seqs}
         for seq_id in [k for k in self._shadows if k not in live]:
             self._drop(seq_id)
@@ -81,6 +96,8 @@ class ModelDraft(DraftModel):
             if not active:
                 break
             logits = self._forward([shadows[i] for i in active])  # [len(active), V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
             for row, i in enumerate(active):
                 if seqs[i].params.greedy:
@@ -90,14 +107,15 @@ class ModelDraft(DraftModel):
                     probs[i].append(q[row])
                 drafted[i].append(token)
                 shadows[i].token_ids.append(token)
-        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
+        return drafted, probs
 
     # -- the shadow sequences on the draft's pool --------------------------------
     def _sync(self, seq: Sequence) -> Sequence:
         """The shadow of `seq`, its cache rolled back to the longest prefix it shares with `seq`'s tokens."""
+        ids = self._context(seq)
         sh = self._shadows.get(seq.seq_id)
         if sh is not None:
-            keep = common_prefix(sh.token_ids[:sh.num_computed_tokens], seq.token_ids, seq.num_tokens - 1)
+            keep = common_prefix(sh.token_ids[:sh.num_computed_tokens], ids, len(ids) - 1)
             try:
                 self._bm.rollback(sh, sh.num_computed_tokens - keep)
                 sh.num_computed_tokens = keep
@@ -105,10 +123,14 @@ class ModelDraft(DraftModel):
                 self._drop(seq.seq_id)
                 sh = None
         if sh is None:
-            sh = Sequence(seq.seq_id, [], seq.params, seq.max_len + self.max_num_tokens, seq.arrival_time)
+            sh = Sequence(seq.seq_id, [], seq.params, self._shadow_len(seq, ids), seq.arrival_time)
             self._shadows[seq.seq_id] = sh
-        sh.token_ids = list(seq.token_ids)
+        sh.token_ids = list(ids)
         return sh
+
+    def _shadow_len(self, seq: Sequence, ids: list[int]) -> int:
+        """The most tokens the shadow of `seq` will hold (its pages are reserved against it)."""
+        return seq.max_len + self.max_num_tokens
 
     def _grow(self, shadows: list, i: int) -> bool:
         """Slots for shadow i's uncomputed tokens; False (and the shadow dropped) if the pool is full."""
@@ -170,5 +192,5 @@ def check_same_vocabulary(draft_name: str, loaded, target_name: str, target_conf
         raise ValueError(
             f"draft 'model': {draft_name!r} cannot draft for {target_name!r}: {problem}. The 'model' draft "
             f"needs the target's tokenizer; a draft with a different vocabulary needs the heterogeneous-"
-            f"vocabulary drafts 'slem' or 'tli' (Timor et al. 2025, arXiv:2502.05202), which kvlab does not "
-            f"have yet")
+            f"vocabulary drafts 'slem' or 'tli' (Timor et al. 2025, arXiv:2502.05202): "
+            f"draft='slem' or draft='tli' with the same draft_args")
