@@ -1,7 +1,8 @@
 """Draft models for speculative decoding (registry: kvlab.registry.DRAFTS)."""
 
 from kvlab.drafts.base import DraftModel, Proposal
+from kvlab.drafts.layerskip import LayerSkipDraft
 from kvlab.drafts.model import ModelDraft
 from kvlab.drafts.ngram import NgramDraft
 
-__all__ = ["DraftModel", "ModelDraft", "NgramDraft", "Proposal"]
+__all__ = ["DraftModel", "LayerSkipDraft", "ModelDraft", "NgramDraft", "Proposal"]
