@@ -4,5 +4,6 @@ from kvlab.drafts.base import DraftModel, Proposal
 from kvlab.drafts.layerskip import LayerSkipDraft
 from kvlab.drafts.model import ModelDraft
 from kvlab.drafts.ngram import NgramDraft
+from kvlab.drafts.tree import TreeDraft
 
-__all__ = ["DraftModel", "LayerSkipDraft", "ModelDraft", "NgramDraft", "Proposal"]
+__all__ = ["DraftModel", "LayerSkipDraft", "ModelDraft", "NgramDraft", "Proposal", "TreeDraft"]
