@@ -19,7 +19,7 @@ prompt through k layers (docs/design.md, "Tentative slots and rollback").
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,14 +57,12 @@ def early_exit(model: torch.nn.Module, layers: int) -> torch.nn.Module:
 class LayerSkipDraft(ModelDraft):
     """The target's first `layers` decoder layers and its head, on a pool of their own."""
 
-    model: str | None = None  # unused: the draft is the target itself (kept None)
+    model: str | None = field(default=None, init=False)  # no checkpoint: the draft is the target's early exit
+    seed: int = field(default=0, init=False)
     layers: int = 4  # decoder layers the draft runs (the early exit), 1 .. num_hidden_layers - 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model is not None:
-            raise ValueError("draft layerskip drafts with the target's own first layers; it takes no 'model' "
-                             "(use draft 'model' for a separate checkpoint)")
         if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers < 1:
             raise ValueError(f"draft layerskip: layers must be an integer >= 1, got {self.layers!r}")
 

@@ -65,6 +65,8 @@ class TreeDraft(ModelDraft):
     """A token tree of the draft's top-`width` branches (or `width` i.i.d. samples) on the first
     `branch_levels` levels, chains below, `depth` levels in all."""
 
+    num_tokens: int = field(default=1, init=False)  # the node count (set from the shape)
+    max_num_tokens: int = field(default=1, init=False)
     model: str | None = None  # drafting model (as for 'model'); None: the target's first `layers` layers
     layers: int = 4  # with model None: decoder layers of the target the draft runs (layerskip)
     width: int = 2  # children of every node on a branching level, >= 1
