@@ -211,3 +211,45 @@ def test_tree_shape():
     assert proposal.probs is None
     q = [torch.full((4,), float(i)) for i in range(5)]
     assert TreeDraft._proposal([(-1, 7), (0, 9)], q[:2]).probs.shape == (2, 4)
+
+
+def test_tree_draft_with_a_full_pool_drafts_less_and_recovers():
+    """The draft's pool nearly full (a hog holds all but 6 pages of 4 tokens): shadows and branches
+    that do not fit stop growing (a request's shadow is dropped and recomputed later); the output is
+    still plain greedy's and, the hog gone, every page is back."""
+    batch = prompts(4)
+    llm = LLM(MODEL, draft=SELF[0], draft_args=SELF[1], block_size=4, kv_cache_memory="4MiB")
+    allocator = llm.engine.draft._bm.allocator
+    hog = 10**6
+    allocator.allocate(hog, (allocator.num_free_blocks - 6) * 4, 10**9)
+    outs = llm.generate(batch, SamplingParams(max_tokens=14, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain(batch, 14, ignore_eos=True)
+    assert llm.stats()["spec_tree_nodes"] > 0
+    allocator.free(hog)
+    assert allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
+
+
+@pytest.mark.model
+@pytest.mark.heavy  # SmolLM2 and Gemma 3 at batch 8, plain + two drafts each: minutes on busy cores
+@pytest.mark.parametrize("name,layers", [("smollm2-135m", 24), ("gemma3-270m", 14)])
+def test_real_models_greedy_with_layerskip_and_tree_match_plain(fresh_model, name, layers):
+    """Batch 8 and batch 1, block size 16: layerskip and a tree of the early exit's top-2 branches give
+    plain greedy's tokens on the real models (Gemma 3: every prompt well inside the 512-token window,
+    so its trees stay trees)."""
+    import copy
+
+    loaded = fresh_model(name)
+    texts = [f"Repeat this sentence three times: the {w} sat on the mat near the door." for w in
+             ("cat", "dog", "old man", "child", "bird", "teacher", "farmer", "king")]
+    batch = [loaded.tokenizer(t)["input_ids"] for t in texts]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(name, loaded=copy.deepcopy(loaded), block_size=16).generate(batch, sp)]
+    for draft, args in (("layerskip", {"layers": layers, "num_tokens": 3}),
+                        ("tree", {"layers": layers, "width": 2, "depth": 3})):
+        llm = LLM(name, loaded=copy.deepcopy(loaded), block_size=16, draft=draft, draft_args=args)
+        assert [o.token_ids for o in llm.generate(batch, sp)] == ref, draft
+        assert [o.token_ids for o in llm.generate(batch[:1], sp)] == ref[:1], draft
+        stats = llm.stats()
+        assert stats["spec_accepted_tokens"] > 0 and (draft != "tree" or stats["spec_tree_nodes"] > 0)
+        bm = llm.engine.block_manager
+        assert bm.allocator.num_free_blocks == bm.num_blocks

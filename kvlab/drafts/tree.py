@@ -155,7 +155,8 @@ class TreeDraft(ModelDraft):
         return child
 
     def _room(self, sh: Sequence) -> bool:
-        """Slots for the shadow's uncomputed tokens; False (the branch stops growing) if the pool is full."""
+        """Slots for the shadow's uncomputed tokens; False (the branch stops growing) if the pool is full:
+        a request's own shadow is then dropped (recomputed when there is room), as for 'model'."""
         bm, n = self._bm, sh.num_uncomputed_tokens
         held = bm.key(sh, 0) in bm.allocator.tables
         if held and bm.can_append(sh, n):
@@ -164,6 +165,8 @@ class TreeDraft(ModelDraft):
         if not held and bm.can_allocate(sh):
             bm.allocate(sh, n)
             return True
+        if sh.seq_id >= 0:
+            self._drop(sh.seq_id)
         return False
 
     @staticmethod
