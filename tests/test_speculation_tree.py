@@ -213,6 +213,26 @@ def test_tree_shape():
     assert TreeDraft._proposal([(-1, 7), (0, 9)], q[:2]).probs.shape == (2, 4)
 
 
+def test_greedy_branches_are_the_drafts_top_k():
+    """A greedy tree's root children are the draft's top-`width` tokens by logit (the draft here is the
+    target's own weights, so: the target's top 3 after the prompt, best first), and their chains are
+    continued greedily."""
+    from kvlab.models import load_model
+    from kvlab.sequence import Sequence
+
+    prompt = prompts(1)[0]
+    llm = LLM(MODEL, draft="tree", draft_args={"model": MODEL, "width": 3, "depth": 2}, block_size=4,
+              kv_cache_memory="4MiB")
+    seq = Sequence(0, prompt, SamplingParams(max_tokens=50), 100, 0.0)
+    proposal = llm.engine.draft.propose([seq], [6], [None])[0]
+    with torch.no_grad():
+        logits = load_model(MODEL).model(torch.tensor([prompt])).logits[0, -1]  # [V]
+    top = logits.topk(3).indices.tolist()
+    assert proposal.parents == [-1, 0, -1, 2, -1, 4]
+    assert [proposal.tokens[i] for i in (0, 2, 4)] == top
+    llm.engine.draft.forget(0)
+
+
 def test_tree_draft_with_a_full_pool_drafts_less_and_recovers():
     """The draft's pool nearly full (a hog holds all but 6 pages of 4 tokens): shadows and branches
     that do not fit stop growing (a request's shadow is dropped and recomputed later); the output is

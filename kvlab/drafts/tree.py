@@ -127,7 +127,8 @@ class TreeDraft(ModelDraft):
                 q = probabilities(logits, [seqs[i].params for i, _, _ in open_])  # [L, V]
                 grown = []
                 for row, (i, sh, node) in enumerate(open_):
-                    tokens = self._children(q[row], branching[level], seqs[i].params.greedy, generators[i])
+                    tokens = self._children(logits[row], q[row], branching[level], seqs[i].params.greedy,
+                                            generators[i])
                     shadows = [sh] + [self._fork(sh, forks) for _ in tokens[1:]]
                     for child_sh, token in zip(shadows, tokens):
                         nodes[i].append((node, token))
@@ -140,10 +141,12 @@ class TreeDraft(ModelDraft):
                 self._bm.free(fork)
         return [self._proposal(n, q) for n, q in zip(nodes, qs)]
 
-    def _children(self, q: torch.Tensor, width: int, greedy: bool, generator) -> list[int]:
-        """q [V] -> `width` child tokens: the top-`width` (greedy), or i.i.d. draws from q."""
+    def _children(self, logits: torch.Tensor, q: torch.Tensor, width: int, greedy: bool, generator) -> list[int]:
+        """logits [V], q [V] (the request's distribution) -> `width` child tokens: the draft's top-`width`
+        by logit for greedy requests (their q is a point mass: it ranks nothing past the argmax), or
+        i.i.d. draws from q."""
         if greedy:
-            return q.topk(min(width, q.shape[-1])).indices.tolist() if width > 1 else [int(q.argmax())]
+            return logits.topk(min(width, logits.shape[-1])).indices.tolist() if width > 1 else [int(q.argmax())]
         return torch.multinomial(q, width, replacement=True, generator=generator).tolist()
 
     def _fork(self, sh: Sequence, forks: list[Sequence]) -> Sequence:
