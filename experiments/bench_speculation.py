@@ -1,15 +1,21 @@
-"""Speculative decoding on SmolLM2: plain vs n-gram (prompt lookup) drafting, in the same run.
+"""Speculative decoding on SmolLM2 (or Gemma 3): plain decoding vs each draft, in the same run.
 
 Two tasks: a repetition-heavy one (copy a given passage with its spelling corrected: most of the
 output already appears in the prompt) and free generation (a short story: little to look up).
-Greedy, EOS ignored, batch 1 (--batch1 prompts one at a time) and batch 8. For each: tokens/s of
-engine time for plain decoding and for the `ngram` draft, their ratio, the acceptance rate a, the
+Greedy, EOS ignored, batch 1 (--batch1 prompts one at a time) and batch 8. Drafts (--drafts, each
+`name:key=value,...`): `ngram` by default; `layerskip` (the target's first layers) and `tree` (a
+token tree of the early exit's top-k branches). For each: tokens/s of engine time for plain
+decoding and for the draft, their ratio, the acceptance rate a, the
 mean accepted length (tokens per verification, bonus included) against the i.i.d. prediction
 (1 - a^(g+1)) / (1 - a) for g drafted tokens, the draft's share of step time, and whether the
-outputs are token-identical (they must be). Medians over --repeats rounds.
+outputs are token-identical (they must be). Medians over --repeats rounds. With --hf, the Hugging
+Face assisted-generation anchor at batch 1 on the same prompts: plain `generate` against
+`prompt_lookup_num_tokens` (for ngram) and `assistant_early_exit` (for layerskip), wall-clock tok/s.
 
     python experiments/bench_speculation.py                      # ~10 minutes on 2 busy cores
     python experiments/bench_speculation.py --model random:llama-tiny --max-tokens 16 --repeats 1 --out /tmp/spec
+    python experiments/bench_speculation.py --drafts ngram:num_tokens=4 layerskip:layers=24,num_tokens=3 \
+        tree:layers=24,width=2,depth=3 --hf --out experiments/results/speculation_selfspec_smollm2
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ STORIES = ["a robot who learns to paint", "a cat that finds a secret door", "two
            "a baker who wins a prize", "a storm at sea", "a girl who talks to birds", "the last day of summer",
            "a clock that runs backwards"]
 
-COLUMNS = [("task", "task"), ("batch", "batch"), ("plain_tok_s", "plain tok/s"), ("spec_tok_s", "ngram tok/s"),
+COLUMNS = [("task", "task"), ("batch", "batch"), ("draft", "draft"), ("plain_tok_s", "plain tok/s"),
+           ("spec_tok_s", "draft tok/s"),
            ("speedup", "speedup"), ("acceptance", "acceptance a"), ("accepted_len", "mean accepted length"),
            ("predicted_len", "(1-a^(g+1))/(1-a)"), ("draft_share", "draft share of step time"),
            ("identical", "outputs identical")]
@@ -85,54 +92,127 @@ def main(argv=None) -> dict:
     loaded = load_model(args.model)
     engine = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=512)
     plain = LLM(args.model, loaded=copy.deepcopy(loaded), **engine)
-    draft_args = {"num_tokens": args.num_tokens}
-    spec = LLM(args.model, loaded=copy.deepcopy(loaded), draft="ngram", draft_args=draft_args, **engine)
+    drafts = [parse_draft(d, args.num_tokens) for d in args.drafts]
+    specs = [LLM(args.model, loaded=copy.deepcopy(loaded), draft=name, draft_args=dargs, **engine)
+             for _, name, dargs in drafts]
     tokenizer = plain.tokenizer
-    rows = []
+    rows, anchors = [], []
     for task in ("edit", "free"):
         ps = prompts(tokenizer, task) if tokenizer is not None else [[5, 6, 7] * 10] * 8
         for batch in (1, 8):
             batches = [[p] for p in ps[:args.batch1]] if batch == 1 else [ps[:8]]
-            runs = []
+            runs = [[] for _ in drafts]
             for r in range(args.repeats):
                 base, base_out = run(plain, batches, args.max_tokens)
-                sp, sp_out = run(spec, batches, args.max_tokens)
-                runs.append({"plain_tok_s": base["tokens_per_s"], "spec_tok_s": sp["tokens_per_s"],
-                             "speedup": sp["tokens_per_s"] / base["tokens_per_s"],
-                             "acceptance": sp["spec_acceptance_rate"], "accepted_len": sp["spec_mean_accepted_length"],
-                             "draft_share": sp["spec_draft_time_share"], "identical": sp_out == base_out,
-                             "per_position": sp["spec_per_position_acceptance"]})
-                log(f"{task} batch {batch} round {r}: plain {base['tokens_per_s']:.1f} tok/s, ngram "
-                    f"{sp['tokens_per_s']:.1f} tok/s, a={sp['spec_acceptance_rate']:.2f}")
-            row = {"task": task, "batch": batch, "runs": runs}
-            for k in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len", "draft_share"):
-                row[k] = statistics.median(x[k] for x in runs)
-            a, g = row["acceptance"], args.num_tokens
-            row["predicted_len"] = (1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1.0
-            row["identical"] = "yes" if all(x["identical"] for x in runs) else "NO"
-            row["per_position"] = runs[-1]["per_position"]
-            rows.append(row)
-    text = report(rows, meta, args)
+                for (label, _, _), spec, draft_runs in zip(drafts, specs, runs):
+                    sp, sp_out = run(spec, batches, args.max_tokens)
+                    draft_runs.append({"plain_tok_s": base["tokens_per_s"], "spec_tok_s": sp["tokens_per_s"],
+                                       "speedup": sp["tokens_per_s"] / base["tokens_per_s"],
+                                       "acceptance": sp["spec_acceptance_rate"],
+                                       "accepted_len": sp["spec_mean_accepted_length"],
+                                       "draft_share": sp["spec_draft_time_share"], "identical": sp_out == base_out,
+                                       "per_position": sp["spec_per_position_acceptance"]})
+                    log(f"{task} batch {batch} round {r}: plain {base['tokens_per_s']:.2f} tok/s, {label} "
+                        f"{sp['tokens_per_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}")
+            for (label, _, dargs), draft_runs in zip(drafts, runs):
+                rows.append(summarise(task, batch, label, draft_runs, dargs.get("depth", dargs.get("num_tokens"))))
+            if args.hf and batch == 1:
+                anchors += hf_anchor(loaded, task, [b[0] for b in batches], drafts, args.max_tokens, base_out)
+    text = report(rows, meta, args, anchors)
     print(text)
     md, _ = write_report(args.out, text, {"meta": meta, "rows": rows})
     log(f"wrote {md}")
     return {"rows": rows}
 
 
-def report(rows: list[dict], meta: dict, args) -> str:
-    per_pos = "\n".join(f"- {r['task']}, batch {r['batch']}: " + ", ".join(fmt(x) for x in r["per_position"])
-                        for r in rows)
+def parse_draft(spec: str, num_tokens: int) -> tuple[str, str, dict]:
+    """`name:key=value,...` -> (label, name, draft_args); ngram / layerskip default to --num-tokens."""
+    import ast
+
+    name, _, rest = spec.partition(":")
+    dargs = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            dargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            dargs[key] = value
+    if name in ("ngram", "layerskip", "model"):
+        dargs.setdefault("num_tokens", num_tokens)
+    return spec, name, dargs
+
+
+def summarise(task: str, batch: int, label: str, runs: list[dict], g: int) -> dict:
+    row = {"task": task, "batch": batch, "draft": label, "runs": runs}
+    for k in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len", "draft_share"):
+        row[k] = statistics.median(x[k] for x in runs)
+    a = row["acceptance"]
+    row["predicted_len"] = (1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1.0
+    row["identical"] = "yes" if all(x["identical"] for x in runs) else "NO"
+    row["per_position"] = runs[-1]["per_position"]
+    return row
+
+
+def hf_anchor(loaded, task: str, prompts_: list[list[int]], drafts, max_tokens: int, kvlab_out) -> list[dict]:
+    """Hugging Face `generate` at batch 1 on the same prompts: plain, and assisted generation for the
+    drafts it has (prompt lookup for ngram, `assistant_early_exit` for layerskip). Wall-clock tok/s."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(loaded.model).eval()
+    model.set_attn_implementation("sdpa")
+    kinds = [("plain", {})]
+    for label, name, dargs in drafts:
+        if name == "ngram":
+            kinds.append((f"prompt_lookup_num_tokens={dargs['num_tokens']}",
+                          {"prompt_lookup_num_tokens": dargs["num_tokens"]}))
+        if name == "layerskip":
+            kinds.append((f"assistant_early_exit={dargs['layers']}",
+                          {"assistant_early_exit": dargs["layers"], "num_assistant_tokens": dargs["num_tokens"]}))
+    with torch.no_grad():  # warm-up, not timed
+        model.generate(torch.tensor([prompts_[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    rows, plain_s = [], None
+    for label, extra in kinds:
+        outs, t0 = [], time.perf_counter()
+        try:
+            for p in prompts_:
+                ids = torch.tensor([p])
+                out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0, **extra)
+                outs.append(out[0, len(p):].tolist())
+        except Exception as e:  # an option this transformers version refuses: say so in the table
+            rows.append({"task": task, "hf": label, "tok_s": float("nan"), "speedup": float("nan"),
+                         "identical": f"failed: {type(e).__name__}: {str(e)[:80]}"})
+            continue
+        s = time.perf_counter() - t0
+        plain_s = plain_s or s
+        rows.append({"task": task, "hf": label, "tok_s": max_tokens * len(prompts_) / s, "speedup": plain_s / s,
+                     "identical": "yes" if outs == kvlab_out else "NO"})
+        log(f"HF {task} {label}: {rows[-1]['tok_s']:.2f} tok/s")
+    return rows
+
+
+HF_COLUMNS = [("task", "task"), ("hf", "Hugging Face generate"), ("tok_s", "tok/s"),
+              ("speedup", "speedup vs HF plain"), ("identical", "output = kvlab plain")]
+
+
+def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
+    per_pos = "\n".join(f"- {r['task']}, batch {r['batch']}, {r['draft']}: " +
+                        ", ".join(fmt(x) for x in r["per_position"]) for r in rows)
+    hf = ["Hugging Face assisted generation at batch 1, same prompts and token count, wall clock "
+          "(prefill included, sdpa attention):", "", table(anchors, HF_COLUMNS), ""] if anchors else []
     return "\n".join([
-        f"# Speculative decoding: n-gram drafting on {args.model}", "",
+        f"# Speculative decoding on {args.model}: {', '.join(args.drafts)}", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
         f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' "
         f"jobs at the same time, so absolute figures are noisy; ratios come from the same run.", "",
-        f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, draft `ngram` with g = "
-        f"{args.num_tokens} tokens (max_ngram 3), block size 16, {args.threads} torch threads; batch 1 = "
+        f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, drafts as named (g = num_tokens for "
+        f"a chain, the depth for a tree), block size 16, {args.threads} torch threads; batch 1 = "
         f"{args.batch1} prompts one at a time, batch 8 = 8 prompts together; medians of {args.repeats} rounds. "
         f"tok/s are generated tokens per second of engine time. `edit` copies a given passage with its "
         f"spelling corrected (repetition-heavy); `free` writes a short story.", "",
-        table(rows, COLUMNS), "",
+        table(rows, COLUMNS), "", *hf,
         "Per-position acceptance (last round; position i counts when drafts 0..i-1 were accepted):", "",
         per_pos, "",
         "The prediction (1 - a^(g+1)) / (1 - a) assumes every draft is accepted independently with "
@@ -144,7 +224,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--num-tokens", type=int, default=4, help="draft length g")
+    p.add_argument("--num-tokens", type=int, default=4, help="draft length g (chain drafts without num_tokens)")
+    p.add_argument("--drafts", nargs="+", default=["ngram"], help="name:key=value,... (e.g. tree:layers=24,width=2)")
+    p.add_argument("--hf", action="store_true", help="also run the Hugging Face assisted-generation anchor")
     p.add_argument("--batch1", type=int, default=2, help="prompts run one at a time for batch 1")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

@@ -178,7 +178,7 @@ class LLMEngine:
         self.speculator = None
         if self.draft is not None:
             self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
-            self.speculator = Speculator(self.draft, mc.vocab_size)
+            self.speculator = Speculator(self.draft, mc.vocab_size, self.cache, self.block_manager)
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}

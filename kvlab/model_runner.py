@@ -17,6 +17,7 @@ from kvlab.block_manager import BlockManager
 from kvlab.kv_cache import KVCache
 from kvlab.scheduler import ScheduledBatch
 from kvlab.sequence import Sequence
+from kvlab.tree_verifier import ancestor_mask, tree_depths
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ModelRunner:
         sample_rows: list[tuple[Sequence, int]] = []
         score_rows: list[tuple[Sequence, list[int], list[int]]] = []
         verify_rows: list[tuple[Sequence, list[int]]] = []
+        trees: list[tuple[int, int, torch.Tensor]] = []  # token trees: (packed start, root's index in the chunk, mask)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
@@ -79,6 +81,10 @@ class ModelRunner:
             positions.extend(range(start, end))
             if seq.draft_token_ids:  # speculation: logits after the last token and after every draft token
                 k = len(seq.draft_token_ids)
+                if seq.draft_parents[:k]:  # a token tree: a node sits at the root's position + its depth
+                    parents = [-1] + [i + 1 for i in seq.draft_parents[:k]]
+                    positions[-k:] = [end - k - 1 + d for d in tree_depths(parents)[1:]]
+                    trees.append((offset, n - k - 1, ancestor_mask(parents)))
                 verify_rows.append((seq, list(range(len(keep), len(keep) + k + 1))))
                 keep.extend(range(offset + n - k - 1, offset + n))
                 offset += n
@@ -97,7 +103,8 @@ class ModelRunner:
         if not keep:  # no row is read this step (prefill chunks only): compute one, ignore it
             keep.append(0)
         dev = self.device
-        meta = plan_step(batch.seqs, batch.num_new_tokens, self.block_manager, self.cache, dev)
+        mask = tree_mask(trees, max(batch.num_new_tokens), len(ids))
+        meta = plan_step(batch.seqs, batch.num_new_tokens, self.block_manager, self.cache, dev, mask)
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),  # [T] RoPE position of each new token
@@ -108,3 +115,17 @@ class ModelRunner:
             verify_rows,
         )
 
+
+
+
+def tree_mask(trees: list[tuple[int, int, torch.Tensor]], width: int, num_tokens: int) -> torch.Tensor | None:
+    """[T, width] bool mask over each sequence's new tokens (None without trees): every row sees
+    everything (the causal rule still applies) except the nodes of a token tree, which see the
+    tokens before their root and, of the tree, only their ancestors."""
+    if not trees:
+        return None
+    mask = torch.ones(num_tokens, width, dtype=torch.bool)  # [T, width]
+    for start, root, ancestors in trees:  # ancestors [k+1, k+1] over the root and the k drafted nodes
+        size = ancestors.shape[0]
+        mask[start + root:start + root + size, root:root + size] = ancestors
+    return mask

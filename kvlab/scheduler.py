@@ -102,7 +102,7 @@ class Scheduler:
             if rejected:
                 self.block_manager.rollback(seq, rejected)
             seq.num_computed_tokens += n - rejected
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_parents = [], []
             self.block_manager.commit(seq)  # full pages of computed tokens become findable (prefix caching)
 
     def preempt(self, seq: Sequence) -> None:
@@ -121,7 +121,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []  # tentative state goes with the pages
+        seq.draft_token_ids, seq.draft_parents = [], []  # tentative state goes with the pages
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -129,7 +129,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_parents = [], []
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drop an unfinished request wherever it is, freeing its pages; the sequence, or None if unknown."""

@@ -41,6 +41,7 @@ class Sequence:
         # speculative decoding: tokens drafted after the last one, computed this step in tentative
         # slots; never part of token_ids until verified (kvlab/speculation.py)
         self.draft_token_ids: list[int] = []
+        self.draft_parents: list[int] = []  # a token tree: parent index of each draft (-1: the last token); [] a chain
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +105,7 @@ class Sequence:
     def keep_draft_tokens(self, num_new_tokens: int) -> None:
         """The step computes `num_new_tokens`: keep only the draft tokens that fit after the uncomputed ones."""
         del self.draft_token_ids[max(num_new_tokens - self.num_uncomputed_tokens, 0):]
+        del self.draft_parents[len(self.draft_token_ids):]  # a preorder prefix of a tree is a tree
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

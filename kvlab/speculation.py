@@ -14,6 +14,14 @@
 
 Drafted tokens never enter `token_ids` before they are verified, so nothing that hashes or scores
 committed tokens ever sees them; a preempted sequence drops its drafts with its pages.
+
+Token trees (SpecInfer; kvlab/drafts/tree.py, kvlab/tree_verifier.py): the drafts are a tree's
+nodes in preorder (`seq.draft_parents`), computed at their depth's position under a tree mask, in
+tentative slots one after another. Verification walks the tree; the accepted path's K/V are moved
+to the slots right after the last committed token (`KVCache.move_slots`; nothing to move when the
+first-child chain is accepted), then every other slot is rolled back as for a chain. On a model
+with sliding-window layers a tree is cut to its first-child chain once its slots could reach past
+the window (the window is measured in cache indices, which a tree's side branches inflate).
 """
 
 from __future__ import annotations
@@ -25,15 +33,19 @@ import torch
 from kvlab.drafts.base import DraftModel
 from kvlab.sampler import probabilities
 from kvlab.sequence import Sequence
+from kvlab.tree_verifier import tree_depths, tree_speculative_sample
 from kvlab.verifier import acceptance_histogram, point_masses, speculative_sample
 
 
 class Speculator:
     """Drives one draft for the engine and keeps the acceptance statistics."""
 
-    def __init__(self, draft: DraftModel, vocab_size: int):
+    def __init__(self, draft: DraftModel, vocab_size: int, cache=None, block_manager=None):
         self.draft = draft
         self.vocab_size = vocab_size
+        self.cache, self.block_manager = cache, block_manager  # token trees move the accepted path's K/V
+        windows = [g.sliding_window for g in block_manager.groups if g.sliding_window] if block_manager else []
+        self.window = min(windows, default=None)
         self._lengths: dict[int, int] = {}  # seq_id -> current draft length (adaptive)
         self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q [k, V] of this step's drafts
         self.reset_stats()
@@ -43,6 +55,7 @@ class Speculator:
         self.num_drafted = 0  # draft tokens verified
         self.num_accepted = 0
         self.num_emitted = 0  # tokens emitted by verification (accepted + corrected / bonus)
+        self.num_tree_nodes = 0  # token trees: nodes verified (their depth counts as drafted tokens)
         self.tried: list[int] = []  # per draft position: verified, accepted
         self.took: list[int] = []
         self.draft_s = 0.0  # seconds spent proposing
@@ -60,7 +73,7 @@ class Speculator:
             for seq_id in [k for k in table if k not in live]:
                 del table[seq_id]
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_parents = [], []
         chosen = [(s, min(self.length(s), s.max_len - s.num_tokens - 1)) for s in running
                   if not s.is_scoring and s.num_uncomputed_tokens == 1]
         chosen = [(s, n) for s, n in chosen if n > 0]
@@ -74,7 +87,9 @@ class Speculator:
                 if any(not 0 <= t < self.vocab_size for t in tokens):
                     raise ValueError(f"draft {self.draft.registry_name!r} proposed token ids outside the "
                                      f"target's vocabulary [0, {self.vocab_size})")
-                seq.draft_token_ids = tokens
+                parents = self._tree(seq, tokens, proposal.parents)
+                seq.draft_token_ids = tokens = tokens[:len(parents)] if parents else tokens
+                seq.draft_parents = parents if parents and any(p != i - 1 for i, p in enumerate(parents)) else []
                 self._probs[seq.seq_id] = None if proposal.probs is None else proposal.probs[:len(tokens)]
         except BaseException:
             for seq, _ in chosen:
@@ -82,6 +97,20 @@ class Speculator:
             raise
         finally:
             self.draft_s += time.perf_counter() - t0
+
+    def _tree(self, seq: Sequence, tokens: list[int], parents: list[int] | None) -> list[int]:
+        """The parents of a tree proposal cut to `tokens` (a preorder prefix), or to its first-child
+        chain where a sliding window could cut the side branches' view short; [] for a chain."""
+        if parents is None:
+            return []
+        parents = [int(p) for p in parents[:len(tokens)]]
+        if len(parents) != len(tokens):
+            raise ValueError(f"draft {self.draft.registry_name!r} gave {len(parents)} parents for {len(tokens)} tokens")
+        tree_depths([-1] + [p + 1 for p in parents])  # each parent before its child
+        if self.window is not None and seq.num_tokens + len(tokens) > self.window:
+            chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+            parents = parents[:chain]
+        return parents
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished or was aborted."""
@@ -93,12 +122,21 @@ class Speculator:
     def verify(self, out, generators: dict[int, torch.Generator]) -> tuple[list[tuple[Sequence, list[int]]],
                                                                           dict[int, int]]:
         """The runner's `verify_rows` -> ([(seq, tokens to emit)], {seq_id: draft tokens rejected})."""
-        if not out.verify_rows:
+        chains = [(s, rows) for s, rows in out.verify_rows if not s.draft_parents]
+        emitted, rejected = self._verify_chains(out, chains, generators)
+        for seq, rows in out.verify_rows:
+            if seq.draft_parents:
+                emitted.append(self._verify_tree(out, seq, rows, generators.get(seq.seq_id)))
+                rejected[seq.seq_id] = len(seq.draft_token_ids) + 1 - len(emitted[-1][1])
+        return emitted, rejected
+
+    def _verify_chains(self, out, verify_rows, generators):
+        if not verify_rows:
             return [], {}
-        seqs = [s for s, _ in out.verify_rows]
+        seqs = [s for s, _ in verify_rows]
         ks = [len(s.draft_token_ids) for s in seqs]
         B, K, V = len(seqs), max(ks), out.logits.shape[-1]
-        rows = torch.tensor([r for _, rs in out.verify_rows for r in rs])
+        rows = torch.tensor([r for _, rs in verify_rows for r in rs])
         target = probabilities(out.logits[rows], [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)])
         p = out.logits.new_zeros(B, K + 1, V)  # [B, K+1, V]
         q = out.logits.new_zeros(B, K, V)  # [B, K, V]
@@ -122,6 +160,38 @@ class Speculator:
         emitted = [(s, s.draft_token_ids[:a] + [t]) for s, a, t in zip(seqs, accepted, final)]
         self._record(seqs, ks, accepted)
         return emitted, {s.seq_id: k - a for s, k, a in zip(seqs, ks, accepted)}
+
+    def _verify_tree(self, out, seq: Sequence, rows: list[int], generator) -> tuple[Sequence, list[int]]:
+        """Multi-step speculative sampling down `seq`'s token tree; the accepted path's K/V moved into place."""
+        k, V = len(seq.draft_token_ids), out.logits.shape[-1]
+        parents = [-1] + [i + 1 for i in seq.draft_parents]  # node 0: the last committed token
+        p = probabilities(out.logits[torch.tensor(rows)], [seq.params] * (k + 1))[None]  # [1, k+1, V]
+        tokens = torch.tensor([0] + seq.draft_token_ids)[None]  # [1, k+1]
+        q = p.new_zeros(1, k + 1, V)  # [1, k+1, V]
+        qs = self._probs.pop(seq.seq_id, None)
+        q[0, 1:] = point_masses(tokens[0, 1:], V) if qs is None or seq.params.greedy else qs.to(q)
+        u = torch.zeros(k + 2) if seq.params.greedy else torch.rand(k + 2, generator=generator)
+        path, accepted, final = tree_speculative_sample(p, q, tokens, parents, torch.ones(1, k + 1, dtype=torch.bool),
+                                                        u[None, :k + 1], u[k + 1:])
+        nodes = path[0, :int(accepted[0])].tolist()
+        self._move_path(seq, nodes)
+        depth = max(tree_depths(parents))
+        self.num_tree_nodes += k
+        self._record([seq], [depth], [len(nodes)])
+        return seq, [seq.draft_token_ids[n - 1] for n in nodes] + [int(final[0])]
+
+    def _move_path(self, seq: Sequence, nodes: list[int]) -> None:
+        """Accepted node nodes[j] (a tree index, its slot after the root's) -> the slot of cache index
+        root + j + 1, in every layer group, before the rollback drops everything past the path."""
+        root, bm = seq.num_tokens - 1, self.block_manager  # the last committed token's cache index
+        moves = []
+        for j, n in enumerate(nodes, start=1):
+            if n != j:
+                for g in range(len(bm.groups)):
+                    moves.append((bm.slot_ids(seq, g, root + n, root + n + 1)[0],
+                                  bm.slot_ids(seq, g, root + j, root + j + 1)[0]))
+        if moves:
+            self.cache.move_slots(moves)
 
     def _record(self, seqs: list[Sequence], ks: list[int], accepted: list[int]) -> None:
         self.num_verified += len(seqs)
@@ -158,4 +228,5 @@ class Speculator:
             "spec_per_position_acceptance": [a / t if t else nan for a, t in zip(self.took, self.tried)],
             "spec_mean_accepted_length": self.num_emitted / self.num_verified if self.num_verified else nan,
             "spec_draft_time_share": self.draft_s / busy_s if busy_s > 0 else nan,
+            "spec_tree_nodes": self.num_tree_nodes,
         }

@@ -1,11 +1,15 @@
 """Pages under speculation: allocator invariants over random propose / accept-k / reject-all /
-preempt / finish sequences (a hypothesis state machine; torch-free, no model).
+preempt / finish sequences, chains and token trees (a hypothesis state machine; torch-free, no model).
 
 It drives the real Scheduler, BlockManager and paged allocator the way the engine does: drafts
 set before scheduling, tentative slots appended by the scheduler, `advance` with the rejected
 counts (rollback), the emitted tokens appended, out-of-window pages released. After every step no
 page is leaked or double-freed, reference counts match the tables, and every running sequence
-holds exactly the slots of its computed tokens (no tentative slot survives a step).
+holds exactly the slots of its computed tokens (no tentative slot survives a step). Token trees:
+the drafts get random parents (a tree in preorder), the scheduler may cut them to a prefix (still a
+tree), and verification accepts one root-to-node path (its depth is what stays). Tree drafting's
+branches: forks of a running sequence that grow slots of their own (copy-on-write on the shared
+last page) and are freed, as the tree draft does in its pool.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class SpeculationMachine(RuleBasedStateMachine):
             room = min(4, seq.max_len - seq.num_tokens - 1)
             decoding = seq.num_uncomputed_tokens == 1
             seq.draft_token_ids = [9] * data.draw(st.integers(0, room)) if decoding and room > 0 else []
+            tree = seq.draft_token_ids and data.draw(st.booleans())
+            seq.draft_parents = [data.draw(st.integers(-1, i - 1)) for i in range(len(seq.draft_token_ids))] \
+                if tree else []
         batch = self.scheduler.schedule()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # tentative slots are appended
             assert self.bm.cached_lens([seq], 0)[0] == seq.num_computed_tokens + n
@@ -57,7 +64,15 @@ class SpeculationMachine(RuleBasedStateMachine):
             k = len(seq.draft_token_ids)
             if seq.num_computed_tokens + n - k < seq.num_tokens:
                 continue  # a prefill chunk that samples nothing
-            accepted = data.draw(st.sampled_from([0, k, data.draw(st.integers(0, k))]))
+            parents = seq.draft_parents
+            assert len(parents) in (0, k) and all(-1 <= p < i for i, p in enumerate(parents)), "not a tree"
+            if parents:  # accept the path to a random node (or none): its depth
+                node = data.draw(st.integers(-1, k - 1))
+                accepted = 0
+                while node >= 0:
+                    node, accepted = parents[node], accepted + 1
+            else:
+                accepted = data.draw(st.sampled_from([0, k, data.draw(st.integers(0, k))]))
             rejected[seq.seq_id] = k - accepted
             emitted.append((seq, seq.draft_token_ids[:accepted] + [3]))
         self.scheduler.advance(batch, rejected)
@@ -69,6 +84,23 @@ class SpeculationMachine(RuleBasedStateMachine):
                     break
         for seq in self.scheduler.running:
             self.bm.release_out_of_window(seq)
+
+    @precondition(lambda self: self.scheduler.running)
+    @rule(data=st.data())
+    def branch(self, data):
+        """A tree draft's branches: forks of a sequence that grow their own slots, then are freed."""
+        parent = data.draw(st.sampled_from(self.scheduler.running))
+        forks = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            fork = Sequence(-1 - len(forks), list(parent.token_ids), parent.params, parent.max_len, 0.0)
+            self.bm.fork(parent, fork)
+            forks.append(fork)
+            grow = data.draw(st.integers(0, 3))
+            if self.bm.can_append(fork, grow):
+                self.bm.append(fork, grow)
+        self.bm.take_copies()  # the copy-on-write copies a runner would make
+        for fork in forks:
+            self.bm.free(fork)
 
     @precondition(lambda self: self.scheduler.running)
     @rule(data=st.data())
@@ -101,7 +133,7 @@ class SpeculationMachine(RuleBasedStateMachine):
                 assert a.num_tokens(key) == seq.num_computed_tokens, "a tentative slot survived the step"
                 assert len(a.tables[key]) == a.blocks_for(seq.num_computed_tokens)
         for seq in self.scheduler.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.draft_token_ids
+            assert seq.status is SequenceStatus.WAITING and not seq.draft_token_ids and not seq.draft_parents
             assert all(self.bm.key(seq, g) not in a.tables for g in range(len(self.bm.groups)))
 
     def teardown(self):

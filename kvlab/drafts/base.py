@@ -4,8 +4,8 @@ Each engine step a draft proposes a chain of up to `num_tokens` next tokens for 
 decoding sequence (`propose`); the target verifies them in one forward pass (kvlab/speculation.py,
 kvlab/verifier.py). A draft that knows the distribution it drew each token from returns it
 (`Proposal.probs`, needed for lossless rejection sampling with a sampled draft); one that does not
-(n-gram lookup) is treated as a point mass on its token. Token trees (SpecInfer,
-arXiv:2305.09781) are not supported yet.
+(n-gram lookup) is treated as a point mass on its token. A tree draft (SpecInfer, arXiv:2305.09781;
+kvlab/drafts/tree.py) also returns each token's parent (`Proposal.parents`).
 
 Every chain draft has the same length options: `num_tokens` (the starting and, without
 `adaptive`, the fixed draft length), and `adaptive` (per sequence: one more token after a fully
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 class Proposal:
     tokens: list[int]  # drafted continuation, at most the length asked for
     probs: "torch.Tensor | None" = None  # [len(tokens), V] distribution each token was drawn from; None: point masses
+    parents: list[int] | None = None  # token tree (preorder): parent index of each token, -1 the last committed one
 
 
 @dataclass

@@ -38,25 +38,39 @@ class ModelDraft(DraftModel):
     _shadows: dict = field(default_factory=dict, init=False, repr=False)  # target seq_id -> shadow Sequence
 
     def setup(self, engine) -> None:
+        self._build_pool(engine, self._draft_model(engine))
+
+    def _draft_model(self, engine) -> torch.nn.Module:
+        """The draft network on the engine's device, on the kvlab_paged attention, vocabulary checked."""
         from kvlab import attention
+        from kvlab.models import load_model
+
+        cfg = engine.config
+        loaded = load_model(self.model, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.register(),
+                            seed=self.seed)
+        self._check_vocabulary(loaded, engine)
+        return loaded.model.to(cfg.device).eval()
+
+    def _extra_tokens(self) -> int:
+        """Pool room beyond the target's capacity: the drafts of 64 sequences."""
+        return 64 * self.max_num_tokens
+
+    def _build_pool(self, engine, model: torch.nn.Module) -> None:
+        """The draft's own page pool (KVCache + BlockManager + ModelRunner) for `model`."""
         from kvlab.allocators.paged import PagedAllocator
         from kvlab.block_manager import BlockManager
         from kvlab.kv_cache import KVCache
         from kvlab.llm_engine import layer_groups
         from kvlab.model_runner import ModelRunner
-        from kvlab.models import load_model
         from kvlab.registry import QUANT_FORMATS
 
         cfg = engine.config
         dtype = getattr(torch, cfg.dtype)
-        loaded = load_model(self.model, dtype=dtype, attn_implementation=attention.register(), seed=self.seed)
-        self._check_vocabulary(loaded, engine)
-        model = loaded.model.to(cfg.device).eval()
         mc = model.config
         groups = layer_groups(mc)
         bs, target = cfg.block_size, engine.block_manager
-        # as many tokens as the target's pool holds, plus room for the drafts of 64 sequences
-        tokens = target.num_blocks * bs // len(target.groups) + 64 * self.max_num_tokens
+        # as many tokens as the target's pool holds, plus room for the drafts
+        tokens = target.num_blocks * bs // len(target.groups) + self._extra_tokens()
         num_blocks = len(groups) * -(-tokens // bs)
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim, QUANT_FORMATS.build("auto"), dtype,
