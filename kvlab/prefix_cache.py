@@ -205,14 +205,20 @@ class PrefixCache:
         node, group = self.page_node.pop(page)
         del node.pages[group]
         self.eviction.forget(page)
-        while node is not None and node.alive and not node.pages and not node.children:
-            self._drop_from_index(node)
-            node.alive = False
-            siblings = node.parent.children if node.parent is not None else self.roots[node.salt]
-            siblings.remove(node)
-            if node.parent is None and not siblings:
-                del self.roots[node.salt]
+        while node is not None and self._prune(node):
             node = node.parent
+
+    def _prune(self, node: Node) -> bool:
+        """Take a live node with no page and no child out of the tree; False if it must stay."""
+        if not (node.alive and not node.pages and not node.children):
+            return False
+        self._drop_from_index(node)
+        node.alive = False
+        siblings = node.parent.children if node.parent is not None else self.roots[node.salt]
+        siblings.remove(node)
+        if node.parent is None and not siblings:
+            del self.roots[node.salt]
+        return True
 
     def _drop_from_index(self, node: Node) -> None:
         bucket = self.index[node.hash]

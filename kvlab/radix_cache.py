@@ -97,14 +97,5 @@ class RadixCache(PrefixCache):
         node = next((n for n in siblings if n.tokens == tokens), None) or self._add_node(0, tokens, parent, salt)
         self._register(node, pages)
         if not node.pages:
-            self._unregister_empty(node)
+            self._prune(node)  # a node that got no page (every candidate registered elsewhere) leaves the tree
 
-    def _unregister_empty(self, node: Node) -> None:
-        """A node that got no page (every candidate was registered elsewhere) leaves the tree."""
-        if node.alive and not node.pages and not node.children:
-            self._drop_from_index(node)
-            node.alive = False
-            siblings = node.parent.children if node.parent is not None else self.roots[node.salt]
-            siblings.remove(node)
-            if node.parent is None and not siblings:
-                del self.roots[node.salt]

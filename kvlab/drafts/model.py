@@ -148,8 +148,17 @@ class ModelDraft(DraftModel):
 
     def _grow(self, shadows: list, i: int) -> bool:
         """Slots for shadow i's uncomputed tokens; False (and the shadow dropped) if the pool is full."""
-        sh, bm = shadows[i], self._bm
-        n = sh.num_uncomputed_tokens
+        sh = shadows[i]
+        if self._take_slots(sh):
+            return True
+        self._drop(sh.seq_id)
+        shadows[i] = None
+        return False
+
+    def _take_slots(self, sh: Sequence) -> bool:
+        """Slots in the draft's pool for the shadow's uncomputed tokens (a first allocation or an append);
+        False, and nothing taken, if the pool cannot hold them."""
+        bm, n = self._bm, sh.num_uncomputed_tokens
         held = bm.key(sh, 0) in bm.allocator.tables
         if held and bm.can_append(sh, n):
             bm.append(sh, n)
@@ -157,8 +166,6 @@ class ModelDraft(DraftModel):
         if not held and bm.can_allocate(sh):
             bm.allocate(sh, n)
             return True
-        self._drop(sh.seq_id)
-        shadows[i] = None
         return False
 
     def _forward(self, shadows: list[Sequence]) -> torch.Tensor:

@@ -160,13 +160,7 @@ class TreeDraft(ModelDraft):
     def _room(self, sh: Sequence) -> bool:
         """Slots for the shadow's uncomputed tokens; False (the branch stops growing) if the pool is full:
         a request's own shadow is then dropped (recomputed when there is room), as for 'model'."""
-        bm, n = self._bm, sh.num_uncomputed_tokens
-        held = bm.key(sh, 0) in bm.allocator.tables
-        if held and bm.can_append(sh, n):
-            bm.append(sh, n)
-            return True
-        if not held and bm.can_allocate(sh):
-            bm.allocate(sh, n)
+        if self._take_slots(sh):
             return True
         if sh.seq_id >= 0:
             self._drop(sh.seq_id)
