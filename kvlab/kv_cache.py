@@ -83,7 +83,7 @@ class KVCache:
                 self.area = ResidualArea(num_blocks + 1, rows, device)
             self.codecs = quant.codecs()
             make = lambda codec: PageStore(codec, num_blocks + 1, block_size, heads, head_dim,  # noqa: E731
-                                           self.area, compute_dtype, device)
+                                           self.area, quant.residual_storage_dtype(compute_dtype), device)
             self._k = [make(self.codecs[0]) for _ in range(per_group)]
             self._v = [make(self.codecs[1]) for _ in range(per_group)]
         else:

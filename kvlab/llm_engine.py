@@ -86,7 +86,8 @@ def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head
     for max_num_seqs sequences, at most half the byte budget (beyond it, pages are quantised early)."""
     if not quant.packed or quant.residual is None:
         return 0, 0
-    row_bytes = residual_bytes_per_row(groups, config.block_size, num_kv_heads, head_dim, dtype)
+    row_bytes = residual_bytes_per_row(groups, config.block_size, num_kv_heads, head_dim,
+                                       quant.residual_storage_dtype(dtype))
     rows = residual_rows_needed(quant, len(groups), config.block_size, config.max_num_seqs)
     rows = min(rows, int(config.kv_cache_memory // 2 // row_bytes))
     return rows, rows * row_bytes

@@ -62,6 +62,23 @@ def test_budget_buys_proportionally_more_pages():
     assert blocks["int8"] > 3 * blocks["fp32"] and blocks["int2"] > blocks["int4"] > blocks["int8"]
 
 
+def test_residual_rows_in_bfloat16_cost_half_and_buy_pages():
+    """residual_dtype="bfloat16" on an fp32 model: the residual area's rows are bf16 (half the bytes of
+    the same rows in fp32), the bytes saved buy pages, and open pages are read back to within bf16's
+    rounding (greedy tokens of the tiny model unchanged)."""
+    runs = {}
+    for dtype in ("compute", "bfloat16"):
+        llm, got = run("int4", {"group_size": 8, "residual": 16, "residual_dtype": dtype})
+        c = llm.engine.cache
+        runs[dtype] = (got, c.residual_nbytes(), llm.engine.block_manager.num_blocks, c.k(0).residual.dtype)
+    (want, full_bytes, full_blocks, full_dt), (got, half_bytes, more_blocks, half_dt) = runs.values()
+    assert (full_dt, half_dt) == (torch.float32, torch.bfloat16)
+    rows = lambda nbytes, itemsize: nbytes // itemsize  # noqa: E731
+    assert half_bytes < full_bytes and more_blocks > full_blocks
+    assert rows(half_bytes, 2) >= rows(full_bytes, 4)  # at least as many rows, each half the bytes
+    assert got == want
+
+
 def test_int4_composes_with_a_compressing_policy():
     """SnapKV keeps 32 tokens per layer, then the survivors are stored quantised: the same pages are
     freed as on fp32 (the kept set is chosen on the dequantised keys)."""
@@ -105,6 +122,8 @@ def test_bad_format_parameters():
         LLM(MODEL, quant="int2", quant_args={"group_size": 8}, block_size=4)
     with pytest.raises(ValueError, match="residual must be an integer >= 0"):
         LLM(MODEL, quant="int4", quant_args={"group_size": 8, "residual": -1})
+    with pytest.raises(ValueError, match="residual_dtype must be one of compute, float32, bfloat16, float16"):
+        LLM(MODEL, quant="int4", quant_args={"group_size": 8, "residual_dtype": "int8"})
 
 
 def test_a_backend_that_cannot_read_the_format_fails_before_the_model_loads(monkeypatch):

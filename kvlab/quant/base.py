@@ -91,6 +91,10 @@ class QuantFormat(ABC):
         """Newest tokens per sequence kept in full precision (None: no residual area)."""
         return None
 
+    def residual_storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the residual area's rows (the compute dtype unless the format says otherwise)."""
+        return compute_dtype
+
     def storage(self, block_size: int, num_kv_heads: int, head_dim: int,
                 compute_dtype: torch.dtype) -> tuple[dict[str, PartSpec], dict[str, PartSpec]]:
         """(key parts, value parts) of one page."""

@@ -10,7 +10,7 @@ Page parts (per page; the pool adds the page dimension):
     v.data  [bs, Hkv, D * bits / 8] uint8     v.scale, v.zero  [bs, Hkv, D / G] float16
 
 Residual window: the newest `residual` tokens of each sequence stay in full precision (the
-compute dtype) in the cache's residual area, a page at a time: a page is quantised once all
+compute dtype, or `residual_dtype`) in the cache's residual area, a page at a time: a page is quantised once all
 its tokens are older than the window (a partly filled page always stays full precision:
 "until a group fills"). kvlab.quant.page_store describes the area and its bytes.
 """
@@ -101,6 +101,9 @@ class ValueCodec(PageCodec):
         return parts["scale"].float().repeat_interleave(self.group_size, dim=-1)  # [..., D]
 
 
+RESIDUAL_DTYPES = {"compute": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class KIVI(QuantFormat):
     """Asymmetric `bits`-bit keys (per channel) and values (per token) with a full-precision residual."""
@@ -110,6 +113,8 @@ class KIVI(QuantFormat):
     backends: ClassVar[tuple[str, ...]] = ("torch", "triton")  # Triton: fused dequantisation (codec.load_packed)
     group_size: int = 32  # tokens per key group and channels per value group; divides head_dim and block_size
     residual: int = 32  # newest tokens per sequence kept in full precision (0: only the partly filled page)
+    residual_dtype: str = "compute"  # the residual rows' dtype: "compute" (the model's), "float32", "bfloat16",
+    # "float16" (KIVI keeps them in fp16, its model dtype on GPU: on a CPU running fp32, bfloat16 halves their bytes)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -118,6 +123,12 @@ class KIVI(QuantFormat):
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"{name}: residual must be an integer >= 0 (tokens kept in full precision), "
                              f"got {self.residual!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"{name}: residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, "
+                             f"got {self.residual_dtype!r}")
+
+    def residual_storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return RESIDUAL_DTYPES[self.residual_dtype] or compute_dtype
 
     def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         return torch.uint8
