@@ -391,3 +391,30 @@ def test_tli_sampled_outputs_follow_the_plain_distribution():
     for index in (1, 2):
         stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
         assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
+
+
+@pytest.mark.model
+@pytest.mark.heavy  # two real models, two drafts, batch 1 and 8: a minute or more on two cores
+@pytest.mark.parametrize("draft", ["slem", "tli"])
+def test_gemma3_drafting_for_smollm2_matches_plain(fresh_model, draft):
+    """The reverse real pair: Gemma 3 (262k-token `▁` vocabulary, BOS prefix) drafts for SmolLM2
+    (byte-level BPE): greedy output token-identical to plain SmolLM2 greedy decoding at batch 1 and 8,
+    block sizes 1 and 16; slrs refuses the pair (its exact sum is far beyond its cap)."""
+    import copy
+
+    loaded = fresh_model("smollm2-135m")
+    tok = loaded.tokenizer
+    texts = [f"Repeat this sentence twice: the {w} sat on the mat near the door." for w in
+             ("cat", "dog", "old man", "child", "bird", "teacher", "farmer", "king")]
+    batch = [tok(t)["input_ids"] for t in texts]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=16).generate(batch, sp)]
+    for size, block in ((1, 1), (8, 16)):
+        llm = LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=block, draft=draft,
+                  draft_args={"model": "gemma3-270m", "num_tokens": 4})
+        assert [o.token_ids for o in llm.generate(batch[:size], sp)] == ref[:size]
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        bm = llm.engine.block_manager
+        assert bm.allocator.num_free_blocks == bm.num_blocks
+    with pytest.raises(ValueError, match="use slem or tli"):
+        LLM("smollm2-135m", loaded=copy.deepcopy(loaded), draft="slrs", draft_args={"model": "gemma3-270m"})
