@@ -1,4 +1,4 @@
-"""Heterogeneous-vocabulary speculative decoding: SmolLM2-135M drafting for Gemma3-270M.
+"""Heterogeneous-vocabulary speculative decoding: SmolLM2-135M drafting for Gemma3-270M (or the reverse).
 
 Same run, same prompts: plain kvlab decoding of Gemma 3, the `slem` and `tli` drafts (Timor et
 al. 2025, arXiv:2502.05202) with SmolLM2-135M as the draft model (another tokenizer), and the
@@ -9,11 +9,13 @@ the draft length; see kvlab/drafts/slrs.py).
 
 Two tasks as in experiments/bench_speculation.py: `edit` (copy a passage with its spelling
 corrected: repetition-heavy) and `free` (a short story). Greedy, EOS ignored; kvlab at batch 1
-(--batch1 prompts one at a time) and batch 8. Reports tokens/s, speedup over plain in the same
+(--batch1 prompts one at a time) and batch 8 (--batches). Reports tokens/s, speedup over plain in the same
 run, acceptance rate a, mean accepted length against (1 - a^(g+1)) / (1 - a), the draft's share of
 step time, and whether outputs are token-identical to plain (they must be). Medians over --repeats.
 
     nice -n 5 python experiments/bench_cross_vocab.py          # ~15-30 minutes on 2 busy cores
+    nice -n 10 python experiments/bench_cross_vocab.py --target smollm2-135m --draft gemma3-270m --batches 1 \
+        --out experiments/results/cross_vocab_smollm2     # the reverse pair, batch 1 only
     python experiments/bench_cross_vocab.py --max-tokens 8 --batch1 1 --tasks free --out /tmp/xv   # smoke
 """
 
@@ -82,8 +84,8 @@ def main(argv=None) -> dict:
     rows = []
     for task in args.tasks:
         ps = prompts(target.tokenizer, task)
-        for batch in (1, 8):
-            batches = [[p] for p in ps[:args.batch1]] if batch == 1 else [ps[:8]]
+        for batch in args.batches:
+            batches = [[p] for p in ps[:args.batch1]] if batch == 1 else [ps[:batch]]
             runs: dict[str, list] = {m: [] for m in args.methods}
             hf_runs = []
             for r in range(args.repeats):
@@ -120,22 +122,29 @@ def main(argv=None) -> dict:
                 row["predicted_len"] = ((1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1.0) if a == a else float("nan")
                 row["identical"] = "yes" if all(x["identical"] for x in rs) else "NO"
                 rows.append(row)
-    text = report(rows, meta, args)
+    text = report(rows, meta, args, sizes={args.target: parameters(target.model),
+                                           args.draft: parameters(draft.model)})
     print(text)
     md, _ = write_report(args.out, text, {"meta": meta, "rows": rows})
     log(f"wrote {md}")
     return {"rows": rows}
 
 
-def report(rows: list[dict], meta: dict, args) -> str:
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def report(rows: list[dict], meta: dict, args, sizes: dict) -> str:
+    ratio = sizes[args.draft] / sizes[args.target]
+    batches = ", ".join(f"batch {b} = {args.batch1 if b == 1 else b} prompts {'one at a time' if b == 1 else 'together'}"
+                        for b in args.batches)
     return "\n".join([
         f"# Heterogeneous-vocabulary speculative decoding: {args.draft} drafting for {args.target}", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
         f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' "
         f"jobs at the same time, so absolute figures are noisy; ratios come from the same run.", "",
         f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, g = {args.num_tokens} draft tokens per "
-        f"step, block size 16, {args.threads} torch threads; batch 1 = {args.batch1} prompts one at a time, "
-        f"batch 8 = 8 prompts together; medians of {args.repeats} round(s). kvlab tok/s are generated tokens per "
+        f"step, block size 16, {args.threads} torch threads; {batches}; medians of {args.repeats} round(s). kvlab tok/s are generated tokens per "
         f"second of engine time; the `plain tok/s` of a kvlab row is plain kvlab decoding in the same round. The "
         f"Hugging Face row compares `generate` with and without `assistant_model` + `assistant_tokenizer` "
         f"(greedy: Hugging Face's string-level re-tokenisation, the same idea as `slem`), wall time per "
@@ -143,11 +152,13 @@ def report(rows: list[dict], meta: dict, args) -> str:
         f"given passage with its spelling corrected (repetition-heavy); `free` writes a short story.", "",
         table(rows, COLUMNS), "",
         "For slem, a counts target tokens: g draft-model tokens are drafted and re-tokenised, and at most g "
-        "target tokens proposed (often fewer: Gemma 3's tokens are longer than SmolLM2's), so the i.i.d. "
-        "prediction is only a reference. The draft (135M parameters) is half the target's size (270M, most "
-        "of it a 262k-token embedding): on two CPU cores a draft step costs about as much as the target's "
-        "verification of several tokens, so a speedup needs long accepted runs; where the table shows a "
-        "speedup below 1, speculation does not pay on this machine for this pair.", ""])
+        "target tokens proposed (fewer where the target's tokens are longer than the draft's), so the i.i.d. "
+        "prediction is only a reference. The draft has "
+        f"{sizes[args.draft] / 1e6:.0f}M parameters, {ratio:.2f}x the target's {sizes[args.target] / 1e6:.0f}M: "
+        "on two CPU cores a draft step costs "
+        f"{'about as much as' if ratio < 0.8 else 'more than'} the target's verification of several tokens, so a "
+        "speedup needs long accepted runs; where the table shows a speedup below 1, speculation does not pay on "
+        "this machine for this pair.", ""])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,6 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=["edit", "free"])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-tokens", type=int, default=4, help="draft length g")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1: prompts one at a time)")
     p.add_argument("--batch1", type=int, default=2, help="prompts run one at a time for batch 1")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)

@@ -97,10 +97,10 @@ def main(argv=None) -> dict:
              for _, name, dargs in drafts]
     tokenizer = plain.tokenizer
     rows, anchors = [], []
-    for task in ("edit", "free"):
+    for task in args.tasks:
         ps = prompts(tokenizer, task) if tokenizer is not None else [[5, 6, 7] * 10] * 8
-        for batch in (1, 8):
-            batches = [[p] for p in ps[:args.batch1]] if batch == 1 else [ps[:8]]
+        for batch in args.batches:
+            batches = [[p] for p in ps[:args.batch1]] if batch == 1 else [ps[:batch]]
             runs = [[] for _ in drafts]
             for r in range(args.repeats):
                 base, base_out = run(plain, batches, args.max_tokens)
@@ -208,8 +208,9 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
         f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' "
         f"jobs at the same time, so absolute figures are noisy; ratios come from the same run.", "",
         f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, drafts as named (g = num_tokens for "
-        f"a chain, the depth for a tree), block size 16, {args.threads} torch threads; batch 1 = "
-        f"{args.batch1} prompts one at a time, batch 8 = 8 prompts together; medians of {args.repeats} rounds. "
+        f"a chain, the depth for a tree), block size 16, {args.threads} torch threads; "
+        + "; ".join(f"batch {b} = {args.batch1 if b == 1 else b} prompts {'one at a time' if b == 1 else 'together'}"
+                    for b in args.batches) + f"; medians of {args.repeats} rounds. "
         f"tok/s are generated tokens per second of engine time. `edit` copies a given passage with its "
         f"spelling corrected (repetition-heavy); `free` writes a short story.", "",
         table(rows, COLUMNS), "", *hf,
@@ -227,6 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-tokens", type=int, default=4, help="draft length g (chain drafts without num_tokens)")
     p.add_argument("--drafts", nargs="+", default=["ngram"], help="name:key=value,... (e.g. tree:layers=24,width=2)")
     p.add_argument("--hf", action="store_true", help="also run the Hugging Face assisted-generation anchor")
+    p.add_argument("--tasks", nargs="+", default=["edit", "free"], choices=["edit", "free"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1: prompts one at a time)")
     p.add_argument("--batch1", type=int, default=2, help="prompts run one at a time for batch 1")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

@@ -48,6 +48,7 @@ class Speculator:
         self.window = min(windows, default=None)
         self._lengths: dict[int, int] = {}  # seq_id -> current draft length (adaptive)
         self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q [k, V] of this step's drafts
+        self._capped: set[int] = set()  # seq_ids whose draft this step was cut short by max_tokens (adaptive)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -76,6 +77,7 @@ class Speculator:
             seq.draft_token_ids, seq.draft_parents = [], []
         chosen = [(s, min(self.length(s), s.max_len - s.num_tokens - 1)) for s in running
                   if not s.is_scoring and s.num_uncomputed_tokens == 1]
+        self._capped = {s.seq_id for s, n in chosen if n < self.length(s)}
         chosen = [(s, n) for s, n in chosen if n > 0]
         if not chosen:
             return
@@ -208,10 +210,12 @@ class Speculator:
         if self.draft.adaptive:
             d = self.draft
             for seq, k, a in zip(seqs, ks, accepted):
+                # every proposed token accepted grows the length, even when the draft proposed fewer than
+                # asked (slem: n draft tokens re-tokenise into fewer target tokens); not when max_tokens cut it
                 current = self.length(seq)
                 if a < k:
                     self._lengths[seq.seq_id] = max(1, current - 1)
-                elif k == current:
+                elif seq.seq_id not in self._capped:
                     self._lengths[seq.seq_id] = min(d.max_num_tokens, current + 1)
 
     # -- metrics ---------------------------------------------------------------

@@ -10,10 +10,13 @@ must be token-identical to plain greedy decoding of the target.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
+from kvlab.drafts.base import DraftModel, Proposal
 from kvlab.drafts.vocabulary import Bridge, complete_utf8, from_tokenizer, load_vocabulary, toy
 
 MODEL = "random:llama-tiny"
@@ -42,9 +45,9 @@ def plain(batch, max_tokens, **params):
     return _plain[key]
 
 
-def speculative(draft, args, batch, max_tokens, block_size=16, **params):
+def speculative(draft, args, batch, max_tokens, block_size=16, sampling=None, **params):
     llm = LLM(MODEL, block_size=block_size, kv_cache_memory="4MiB", draft=draft, draft_args=args)
-    outs = llm.generate(batch, SamplingParams(max_tokens=max_tokens, **params))
+    outs = llm.generate(batch, sampling or SamplingParams(max_tokens=max_tokens, **params))
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
     if draft != "slrs":  # the draft's own pool too
@@ -65,6 +68,192 @@ def test_greedy_matches_plain_decoding(draft, batch_size, block_size):
     assert stats["spec_drafted_tokens"] > 0
     if batch_size == 8:
         assert stats["spec_accepted_tokens"] > 0  # ragged acceptance: some runs accepted, others rolled back
+
+
+def recorded(llm) -> tuple[dict, list]:
+    """Wrap the engine's speculator: -> ({seq_id: [tokens emitted by each verification]}, [per step:
+    {seq_id: (current draft length, length asked, tokens proposed, tokens accepted)}])."""
+    spec = llm.engine.speculator
+    runs, steps = {}, []
+    propose, verify = spec.propose, spec.verify
+
+    def on_propose(running, generators):
+        current = {s.seq_id: spec.length(s) for s in running}
+        propose(running, generators)
+        steps.append({s.seq_id: [current[s.seq_id], min(current[s.seq_id], s.max_len - s.num_tokens - 1),
+                                 len(s.draft_token_ids), None] for s in running if s.draft_token_ids})
+
+    def on_verify(out, generators):
+        emitted, rejected = verify(out, generators)
+        for seq, tokens in emitted:
+            runs.setdefault(seq.seq_id, []).append(list(tokens))
+            steps[-1][seq.seq_id][3] = len(tokens) - 1
+        return emitted, rejected
+
+    spec.propose, spec.verify = on_propose, on_verify
+    return runs, steps
+
+
+def inside_runs(first: int, runs: list[list[int]]) -> list[int]:
+    """Output indices of tokens emitted by a verification that emitted more after them (accepted
+    drafts, or an accepted draft followed by the corrected / bonus token): a stop there cuts a run."""
+    out, start = [], 1  # output index 0 is the prefill's token
+    for run in runs:
+        out += range(start, start + len(run) - 1)
+        start += len(run)
+    return out
+
+
+STOP_CASES = [(d, b, s) for d in ("slem", "tli", "slrs") for b, s in ((1, 1), (8, 16))]
+
+
+@pytest.mark.parametrize("draft,batch_size,block_size", STOP_CASES,
+                         ids=[f"{d}-batch{b}-block{s}" for d, b, s in STOP_CASES])
+def test_stops_inside_an_accepted_run(draft, batch_size, block_size):
+    """A stop token, EOS and max_tokens that fall where a verification emitted several tokens: the
+    output is plain greedy's cut there (the tokens after it dropped), as plain decoding never made them.
+    The places are found by a first speculative run that records every verification's run."""
+    batch, n = prompts(batch_size, seed=2), 16
+    args = {**ALIGNED, "num_tokens": 2 if draft == "slrs" else 4}
+    ref = plain(batch, n, ignore_eos=True)
+    llm = LLM(MODEL, block_size=block_size, kv_cache_memory="4MiB", draft=draft, draft_args=args)
+    runs, _ = recorded(llm)
+    outs = llm.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    # a stop token per request: a token emitted inside a run, where the request makes it for the first time
+    stops, cut = [], []
+    for out, r in zip(outs, ref):
+        inside = [j for j in inside_runs(r[0], runs.get(out.request_id, [])) if r[j] not in r[:j]]
+        stops.append(r[inside[0]] if inside else 10**6)  # 10**6: never generated, no stop
+        cut.append(inside[0] + 1 if inside else n)
+    assert sum(c < n for c in cut) >= max(1, batch_size // 2), "too few runs to cut: the test would be vacuous"
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, stop_token_ids=(t,)) for t in stops]
+    got, _ = speculative(draft, args, batch, n, block_size, sampling=params)
+    assert got == [r[:c] for r, c in zip(ref, cut)]
+    # EOS: the stop token of the first request that has one, for every request (each cut at its first EOS)
+    eos = next(t for t, c in zip(stops, cut) if c < n)
+    llm = LLM(MODEL, block_size=block_size, kv_cache_memory="4MiB", draft=draft, draft_args=args)
+    llm.engine.eos_token_ids = {eos}
+    outs = llm.generate(batch, SamplingParams(max_tokens=n))
+    assert [o.token_ids for o in outs] == [r[:r.index(eos) + 1] if eos in r else r for r in ref]
+    assert any(o.finish_reason == "stop" for o in outs)
+    # max_tokens: drafts are cut to end at it, so a run accepted up to the end stops exactly there
+    ends_in_a_run = 0
+    for lengths in ([[2], [5], [9]] if batch_size == 1 else [[3 + i for i in range(batch_size)]]):
+        llm = LLM(MODEL, block_size=block_size, kv_cache_memory="4MiB", draft=draft, draft_args=args)
+        runs, _ = recorded(llm)
+        outs = llm.generate(batch, [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
+        assert [o.token_ids for o in outs] == [r[:m] for r, m in zip(ref, lengths)]
+        ends_in_a_run += sum(len(runs.get(o.request_id, [[]])[-1]) > 1 for o in outs)
+    assert ends_in_a_run > 0, "no request reached max_tokens at the end of an accepted run"
+
+
+@pytest.mark.parametrize("draft", ["slem", "tli", "slrs"])
+def test_greedy_matches_plain_under_preemption(draft):
+    """A target pool of 64 tokens for 8 requests: the scheduler preempts and recomputes; the draft's
+    shadow of a preempted request is dropped and rebuilt from the committed tokens."""
+    from test_speculation import BYTES_PER_TOKEN
+
+    batch = prompts(8, seed=3)
+    engine = {"block_size": 4, "kv_cache_memory": 64 * BYTES_PER_TOKEN, "max_num_batched_tokens": 32}
+    llm = LLM(MODEL, draft=draft, draft_args={**ALIGNED, "num_tokens": 2 if draft == "slrs" else 3}, **engine)
+    outs = llm.generate(batch, SamplingParams(max_tokens=14, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain(batch, 14, ignore_eos=True)
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+    bm = llm.engine.block_manager
+    assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
+    if draft != "slrs":
+        dbm = llm.engine.draft._bm
+        assert dbm.allocator.num_free_blocks == dbm.num_blocks, "draft pages leaked"
+
+
+@pytest.mark.parametrize("draft", ["slem", "tli"])
+def test_full_draft_pool_drafts_less_and_recovers(draft):
+    """The draft's own pool nearly full (a hog holds all but 3 pages of 4 tokens): shadows that do not
+    fit draft nothing that step; the output is still plain greedy's and, the hog gone, every page is back."""
+    batch = prompts(4, seed=4)
+    llm = LLM(MODEL, block_size=4, kv_cache_memory="4MiB", draft=draft, draft_args={**ALIGNED, "num_tokens": 3})
+    allocator = llm.engine.draft._bm.allocator
+    hog = 10**6
+    allocator.allocate(hog, (allocator.num_free_blocks - 3) * 4, 10**9)
+    outs = llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain(batch, 12, ignore_eos=True)
+    assert llm.stats()["spec_drafted_tokens"] > 0
+    allocator.free(hog)
+    assert allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
+
+
+ADAPTIVE = [("slem", 1, 6), ("tli", 1, 6), ("slrs", 1, 2)]  # slrs: 2 tokens is its cap on the toys
+
+
+@pytest.mark.parametrize("draft,start,longest", ADAPTIVE, ids=[d for d, _, _ in ADAPTIVE])
+def test_adaptive_length_grows_on_acceptance_and_shrinks_on_rejection(draft, start, longest):
+    """Per sequence: after a verification that accepted every proposed token the next draft is one
+    longer (up to max_num_tokens), after a rejection one shorter (down to 1) -- also when slem's
+    re-tokenised text gives fewer target tokens than it was asked for. Aligned toys: lengths both
+    grow and shrink; a permuted vocabulary (nearly all rejected) keeps drafts at about one a step."""
+    batch = prompts(4, seed=5)
+    args = {**ALIGNED, "num_tokens": start, "adaptive": True, "max_num_tokens": longest}
+    llm = LLM(MODEL, block_size=16, kv_cache_memory="4MiB", draft=draft, draft_args=args)
+    _, steps = recorded(llm)
+    outs = llm.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain(batch, 24, ignore_eos=True)
+    grew = shrank = 0
+    for before, after in zip(steps, steps[1:]):
+        for seq_id, (current, asked, proposed, accepted) in before.items():
+            if seq_id not in after:
+                continue
+            want = max(1, current - 1) if accepted < proposed else current if asked < current \
+                else min(longest, current + 1)
+            assert after[seq_id][0] == want, (seq_id, current, asked, proposed, accepted, after[seq_id][0])
+            grew += want > current
+            shrank += want < current
+    assert grew > 0 and shrank > 0
+    assert max(c for step in steps for c, *_ in step.values()) >= min(longest, start + 2)  # grew twice in a row
+    if draft != "slrs":  # the permuted toy: nearly every draft rejected, lengths stay near 1
+        args = {**PERMUTED, "num_tokens": 4, "adaptive": True, "max_num_tokens": 6}
+        got, stats = speculative(draft, args, batch, 16, ignore_eos=True)
+        assert got == plain(batch, 16, ignore_eos=True)
+        assert stats["spec_drafted_tokens"] < 2 * 4 * 15  # about one a step, far from 4 (240)
+
+
+@dataclass
+class ShortOracle(DraftModel):
+    """Proposes one token fewer than asked (at least one), each the plain greedy continuation: what
+    slem does when its drafted text re-tokenises into fewer, longer target tokens, all accepted."""
+
+    refs: dict = None  # prompt tuple -> plain greedy output
+    registry_name = "short-oracle"
+
+    def propose(self, seqs, lengths, generators):
+        out = []
+        for seq, n in zip(seqs, lengths):
+            prompt = next(p for p in self.refs if tuple(seq.token_ids[:len(p)]) == p)
+            done = len(seq.token_ids) - len(prompt)
+            out.append(Proposal(self.refs[prompt][done:done + max(1, n - 1)]))
+        return out
+
+
+def test_adaptive_length_grows_when_fewer_tokens_than_asked_are_all_accepted():
+    batch = prompts(2, seed=6)
+    ref = plain(batch, 24, ignore_eos=True)
+    llm = LLM(MODEL, draft="ngram", block_size=16, kv_cache_memory="4MiB")
+    llm.engine.speculator.draft = ShortOracle(num_tokens=1, adaptive=True, max_num_tokens=6,
+                                              refs={tuple(p): r for p, r in zip(batch, ref)})
+    _, steps = recorded(llm)
+    outs = llm.generate(batch, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref and llm.stats()["spec_acceptance_rate"] == 1.0
+    for seq_id in (o.request_id for o in outs):  # grown every step, up to max_num_tokens
+        assert [step[seq_id][0] for step in steps if seq_id in step][:6] == [1, 2, 3, 4, 5, 6]
+
+
+def test_slrs_adaptive_length_stays_within_its_cap():
+    with pytest.raises(ValueError, match="draft slrs: at most 4 tokens per step.*max_num_tokens=5"):
+        LLM("does-not-exist", draft="slrs", draft_args={"num_tokens": 1, "adaptive": True, "max_num_tokens": 5})
+    with pytest.raises(ValueError, match=r"draft slrs: .* may need up to .* 3 drafted tokens"):  # the bound uses the max
+        LLM(MODEL, kv_cache_memory="4MiB", draft="slrs",
+            draft_args={**ALIGNED, "num_tokens": 1, "adaptive": True, "max_num_tokens": 3})
 
 
 @pytest.mark.parametrize("draft", ["slem", "tli", "slrs"])
@@ -202,3 +391,30 @@ def test_tli_sampled_outputs_follow_the_plain_distribution():
     for index in (1, 2):
         stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
         assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
+
+
+@pytest.mark.model
+@pytest.mark.heavy  # two real models, two drafts, batch 1 and 8: a minute or more on two cores
+@pytest.mark.parametrize("draft", ["slem", "tli"])
+def test_gemma3_drafting_for_smollm2_matches_plain(fresh_model, draft):
+    """The reverse real pair: Gemma 3 (262k-token `▁` vocabulary, BOS prefix) drafts for SmolLM2
+    (byte-level BPE): greedy output token-identical to plain SmolLM2 greedy decoding at batch 1 and 8,
+    block sizes 1 and 16; slrs refuses the pair (its exact sum is far beyond its cap)."""
+    import copy
+
+    loaded = fresh_model("smollm2-135m")
+    tok = loaded.tokenizer
+    texts = [f"Repeat this sentence twice: the {w} sat on the mat near the door." for w in
+             ("cat", "dog", "old man", "child", "bird", "teacher", "farmer", "king")]
+    batch = [tok(t)["input_ids"] for t in texts]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=16).generate(batch, sp)]
+    for size, block in ((1, 1), (8, 16)):
+        llm = LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=block, draft=draft,
+                  draft_args={"model": "gemma3-270m", "num_tokens": 4})
+        assert [o.token_ids for o in llm.generate(batch[:size], sp)] == ref[:size]
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        bm = llm.engine.block_manager
+        assert bm.allocator.num_free_blocks == bm.num_blocks
+    with pytest.raises(ValueError, match="use slem or tli"):
+        LLM("smollm2-135m", loaded=copy.deepcopy(loaded), draft="slrs", draft_args={"model": "gemma3-270m"})

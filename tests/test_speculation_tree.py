@@ -273,3 +273,26 @@ def test_real_models_greedy_with_layerskip_and_tree_match_plain(fresh_model, nam
         assert stats["spec_accepted_tokens"] > 0 and (draft != "tree" or stats["spec_tree_nodes"] > 0)
         bm = llm.engine.block_manager
         assert bm.allocator.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.model
+@pytest.mark.heavy  # SmolLM2 target + SmolLM2 draft model, batch 8 and 1: minutes on busy cores
+def test_tree_drafted_by_a_separate_model_on_smollm2_matches_plain(fresh_model):
+    """A token tree drafted by a separate checkpoint (`draft_args` model=smollm2-135m, loaded on its own
+    pool; the same weights as the target, so its first children are nearly always accepted and side
+    branches must still be rolled back): greedy output token-identical to plain SmolLM2, batch 8 at
+    block size 16 and batch 1 at block size 1, every page of both pools returned."""
+    import copy
+
+    loaded = fresh_model("smollm2-135m")
+    texts = [f"Repeat this sentence three times: the {w} sat on the mat near the door." for w in
+             ("cat", "dog", "old man", "child", "bird", "teacher", "farmer", "king")]
+    batch = [loaded.tokenizer(t)["input_ids"] for t in texts]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=16).generate(batch, sp)]
+    args = {"model": "smollm2-135m", "width": 2, "depth": 3}
+    for size, block in ((8, 16), (1, 1)):
+        llm = LLM("smollm2-135m", loaded=copy.deepcopy(loaded), block_size=block, draft="tree", draft_args=args)
+        got, stats, _ = run(None, batch[:size], 16, llm=llm, ignore_eos=True)
+        assert got == ref[:size]
+        assert stats["spec_tree_nodes"] > 0 and stats["spec_acceptance_rate"] > 0.5
