@@ -8,10 +8,14 @@ prompt quantised), kvlab's own tasks run on the same engine settings:
   - kvlab.tasks.agreement.Agreement against the full-cache fp32 engine (greedy match, top-1 match,
     KL of next-token distributions), --num-prompts prompts of --prompt-length tokens.
 Also the pool's bytes per token (scales and zero points included) and the residual area's bytes.
-Not compared here: Hugging Face's QuantizedCache (it needs `optimum-quanto`, not installed).
+--residual-bf16 adds int4 / int2 with their residual rows in bfloat16; --policy with --budgets adds
+format x policy rows (agreement only: the policy compresses each prompt once, at the end of prefill, to
+each budget; the reference stays the full-cache fp32 engine). Hugging Face's QuantizedCache beside
+kvlab's int4 / int2: experiments/bench_quant_anchor.py.
 
     python experiments/bench_quant_quality.py                        # SmolLM2-135M, ~10 minutes on 2 busy cores
     python experiments/bench_quant_quality.py --num-windows 2 --num-prompts 2 --out /tmp/q
+    python experiments/bench_quant_quality.py --policy snapkv --budgets 64 128 --formats fp32 int8 int4 int2
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from pathlib import Path
 
 from bench_throughput import REPO, log, metadata, provenance, save, table
 
-FORMATS = [("fp32", {}), ("bf16", {}), ("fp8_e4m3", {}), ("int8", {}), ("int4", {}), ("int2", {})]
-COLUMNS = [("format", "format"), ("args", "args"), ("bytes_per_token", "pool B/token/layer"),
+FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("int8", {}), ("int4", {}),
+           ("int2", {})]
+COLUMNS = [("format", "format"), ("args", "args"), ("policy", "policy"), ("bytes_per_token", "pool B/token/layer"),
            ("vs_bf16", "vs bf16"), ("residual_mib", "residual area MiB"), ("ppl", "perplexity"),
            ("greedy_match", "greedy match"), ("top1_match", "top-1 match"), ("kl", "KL (nats)"),
            ("kl_max", "KL max"), ("seconds", "s")]
@@ -55,23 +60,31 @@ def run(args) -> list[dict]:
                      num_windows=args.num_windows, batch_size=args.num_windows)
     agree = Agreement(num_prompts=args.num_prompts, prompt_length=args.prompt_length,
                       max_new_tokens=args.max_new_tokens)
-    formats = list(FORMATS) + ([("int4", {"residual": 0}), ("int2", {"residual": 0})] if args.residual_zero else [])
+    chosen = [(n, q) for n, q in FORMATS if n in args.formats]
+    kivi = [n for n in ("int4", "int2") if n in args.formats]
+    formats = [(n, q, None) for n, q in chosen]
+    formats += [(n, {"residual": 0}, None) for n in kivi] if args.residual_zero else []
+    formats += [(n, {"residual_dtype": "bfloat16"}, None) for n in kivi] if args.residual_bf16 else []
+    formats += [(n, q, b) for b in (args.budgets if args.policy else []) for n, q in chosen]
     rows = []
-    for name, qargs in formats:
+    for name, qargs, budget in formats:
         t0 = time.perf_counter()
-        log(f"{name} {qargs}")
-        llm = LLM(args.model, loaded=copy.deepcopy(loaded), quant=name, quant_args=qargs, **engine)
+        qargs = {"group_size": args.group_size, **qargs} if name in ("int4", "int2") else qargs
+        policy = {} if budget is None else {"policy": args.policy, "policy_args": {"budget": budget}}
+        log(f"{name} {qargs} {policy}")
+        llm = LLM(args.model, loaded=copy.deepcopy(loaded), quant=name, quant_args=qargs, **engine, **policy)
         cache = llm.engine.cache
         per_token = cache.pool_nbytes() / ((cache.null_page + 1) * 32) / len(cache.groups[0].layers)
-        p = ppl.run(llm, ctx).metrics
+        p = ppl.run(llm, ctx).metrics if budget is None else {"perplexity/ppl": None}
         a = agree.run(llm, ctx).metrics
         rows.append({"format": name, "args": ",".join(f"{k}={v}" for k, v in qargs.items()) or "-",
+                     "policy": "full" if budget is None else f"{args.policy} budget={budget}",
                      "bytes_per_token": per_token, "residual_mib": cache.residual_nbytes() / 2**20,
                      "ppl": p["perplexity/ppl"], "greedy_match": a["agreement/greedy_match"],
                      "top1_match": a["agreement/top1_match"], "kl": a["agreement/kl"],
                      "kl_max": a["agreement/kl_max"], "seconds": time.perf_counter() - t0})
         del llm
-    bf16 = next(r["bytes_per_token"] for r in rows if r["format"] == "bf16")
+    bf16 = next(r["bytes_per_token"] for r in rows if r["format"] == "fp32") / 2  # bf16: half of fp32 per element
     for r in rows:
         r["vs_bf16"] = r["bytes_per_token"] / bf16
     return rows
@@ -91,8 +104,10 @@ def report(rows: list[dict], meta: dict, args) -> str:
         "",
         table(rows, COLUMNS),
         "",
-        "Not measured here: Hugging Face's `QuantizedCache` anchor (`optimum-quanto` is not installed in this "
-        "environment), the format x policy grid and LongBench tasks.",
+        "Policy rows: agreement only (perplexity `-`), the prompt compressed once at the end of prefill to the "
+        "budget, then stored in the format; KL and matches against the full-cache fp32 engine, so they add the "
+        "policy's loss to the format's. Not measured here: LongBench tasks; Hugging Face's `QuantizedCache`: "
+        "experiments/bench_quant_anchor.py.",
         "",
     ])
 
@@ -108,7 +123,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--formats", nargs="+", default=[n for n, _ in FORMATS], choices=[n for n, _ in FORMATS],
+                   help="fp32 is always needed (the bytes baseline)")
+    p.add_argument("--group-size", type=int, default=32, help="int4 / int2 group size (KIVI's default 32)")
     p.add_argument("--residual-zero", action="store_true", help="also int4 / int2 with residual 0")
+    p.add_argument("--residual-bf16", action="store_true", help="also int4 / int2 with the residual rows in bfloat16")
+    p.add_argument("--policy", default=None, help="also every format x this policy at each of --budgets")
+    p.add_argument("--budgets", nargs="+", type=int, default=[128, 256])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "quant_quality_smollm2"))
     return p.parse_args(argv)
@@ -116,6 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if "fp32" not in args.formats:
+        raise SystemExit("--formats must include fp32 (the bytes baseline)")
     meta = metadata(args)
     rows = run(args)
     text = report(rows, meta, args)

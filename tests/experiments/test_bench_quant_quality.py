@@ -1,0 +1,33 @@
+"""The format quality benchmark (experiments/bench_quant_quality.py): every format, the bf16 residual rows and
+the format x policy rows, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from exp_helpers import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+
+
+def test_formats_residual_variants_and_policy_rows(tmp_path):
+    from bench_quant_quality import main
+
+    out = tmp_path / "q"
+    main(["--model", "random:llama-tiny", "--formats", "fp32", "int8", "int4", "--group-size", "8",
+          "--num-windows", "1", "--context", "32", "--continuation", "8", "--num-prompts", "1",
+          "--prompt-length", "48", "--max-new-tokens", "4", "--kv-cache-memory", "2MiB", "--max-num-seqs", "2",
+          "--residual-bf16", "--policy", "snapkv", "--budgets", "16", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["format"], r["args"], r["policy"]) for r in rows] == [
+        ("fp32", "-", "full"), ("int8", "-", "full"), ("int4", "group_size=8", "full"),
+        ("int4", "group_size=8,residual_dtype=bfloat16", "full"),
+        ("fp32", "-", "snapkv budget=16"), ("int8", "-", "snapkv budget=16"), ("int4", "group_size=8", "snapkv budget=16")]
+    fp32, int8, int4, int4_bf16 = rows[:4]
+    assert fp32["vs_bf16"] == 2.0 and int8["bytes_per_token"] < fp32["bytes_per_token"] / 3
+    assert fp32["kl"] == 0.0 and fp32["greedy_match"] == 1.0  # the fp32 full cache is its own reference
+    assert 0 < int4_bf16["residual_mib"] < int4["residual_mib"]
+    assert all(r["ppl"] is None for r in rows[4:]) and all(r["ppl"] > 1 for r in rows[:4])
+    assert rows[4]["kl"] > 0  # snapkv at 16 of 48 tokens changes the next-token distributions
+    assert "| snapkv budget=16 |" in out.with_suffix(".md").read_text()
