@@ -2,8 +2,11 @@
 
 The MLSys'25 study "Rethinking Key-Value Cache Compression Techniques for Large Language Model Serving"
 found that the memory a policy saves often does not turn into throughput: this measures it instead of
-assuming it. Every policy compresses each prompt once at the end of prefill (`when="prefill"`); the pages
-it evicts go back to the shared pool, where the scheduler admits more sequences.
+assuming it. Every policy in --policies compresses each prompt once at the end of prefill (`when="prefill"`);
+those in --chunk-policies also run compressing after every prefill chunk (`when="chunk"`), each sequence
+computing at most --max-prefill-chunk prompt tokens per step, so that the scheduler admits a prompt on its
+compressed footprint (what it keeps of the prompt plus one chunk) rather than on its whole length. The pages
+a policy evicts go back to the shared pool, where the scheduler admits more sequences.
 
 Workload: --num-requests WikiText-2 prompts of --min-len..--max-len tokens, or with --trace the prompt
 lengths of the Azure production trace (`code`: long prompts, median 1,469 tokens; clipped to --max-len,
@@ -13,6 +16,8 @@ process, policies in turn, --repeats rounds (medians).
     python experiments/bench_policy_capacity.py                       # about 15 minutes on 2 quiet cores
     python experiments/bench_policy_capacity.py --trace code --max-len 1536 --kv-memory 160MiB --repeats 3
     python experiments/bench_policy_capacity.py --model random:llama-tiny --num-requests 4 --out /tmp/cap
+    python experiments/bench_policy_capacity.py --trace code --max-len 1536 --policies snapkv \
+        --chunk-policies snapkv --max-prefill-chunk 128        # full vs snapkv (prefill) vs snapkv (chunk + cap)
 """
 
 from __future__ import annotations
@@ -32,18 +37,27 @@ COLUMNS = [("policy", "policy"), ("max_concurrent_seqs", "max seqs"), ("mean_con
            ("policy_share", "policy share of busy time"), ("pages_freed_per_seq", "pages freed per seq")]
 
 
-def measure(model: str, loaded, policy: str, policy_args: dict, prompts, args) -> dict:
+def measure(model: str, loaded, policy: str, policy_args: dict, engine_args: dict, prompts, args) -> dict:
     import copy
 
     from kvlab import LLM, SamplingParams
 
     llm = LLM(model, loaded=copy.deepcopy(loaded), policy=policy, policy_args=policy_args,
               kv_cache_memory=args.kv_memory, block_size=args.block_size, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_batched_tokens)
+              max_num_batched_tokens=args.max_batched_tokens, **engine_args)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
     stats = {k: llm.stats().get(k, 0) for k in STATS}
     return {**stats, "wall_s": time.perf_counter() - t0, "generated": sum(len(o.token_ids) for o in outs)}
+
+
+def variants(args) -> list[tuple[str, str, dict, dict]]:
+    """(row name, policy, policy_args, engine options) of every configuration measured, `full` first."""
+    ratio = {"compression_ratio": args.ratio}
+    cap = {"max_prefill_chunk": args.max_prefill_chunk} if args.max_prefill_chunk else {}
+    chunked = f"chunk, prefill chunk <= {args.max_prefill_chunk}" if cap else "chunk"
+    return ([("full", "full", {}, {})] + [(p, p, {**ratio, "when": "prefill"}, {}) for p in args.policies]
+            + [(f"{p} ({chunked})", p, {**ratio, "when": "chunk"}, cap) for p in args.chunk_policies])
 
 
 def summarise(name: str, runs: list[dict], num_requests: int) -> dict:
@@ -80,15 +94,14 @@ def main(argv=None) -> dict:
     else:
         g = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(3, vocab, (args.min_len,), generator=g).tolist() for _ in range(args.num_requests)]
-    variants = [("full", {})] + [(p, {"compression_ratio": args.ratio}) for p in args.policies]
-    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in variants(args)}
     for i in range(args.repeats):
-        for name, policy_args in variants:
-            runs[name].append(measure(args.model, loaded, name, policy_args, prompts, args))
+        for name, policy, policy_args, engine_args in variants(args):
+            runs[name].append(measure(args.model, loaded, policy, policy_args, engine_args, prompts, args))
             r = runs[name][-1]
             log(f"round {i + 1} {name}: max {r['max_concurrent_seqs']} mean {r['mean_concurrent_seqs']:.2f} seqs, "
                 f"{r['tokens_per_s']:.2f} tok/s")
-    rows = [summarise(name, runs[name], len(prompts)) for name, _ in variants]
+    rows = [summarise(name, runs[name], len(prompts)) for name in runs]
     full = rows[0]
     for row in rows:
         row["concurrency_x_full"] = row["mean_concurrent_seqs"] / full["mean_concurrent_seqs"]
@@ -115,8 +128,11 @@ def report(results: dict, meta: dict, args) -> str:
               f"{args.num_requests} prompts of {args.min_len}-{args.max_len} tokens (mean ")
              + f"{results['mean_prompt_len']:.0f}), {args.max_tokens} new tokens each, all queued at t=0; KV budget "
              f"{args.kv_memory}, block {args.block_size}, max_num_batched_tokens {args.max_batched_tokens}; "
-             f"policies at compression_ratio {args.ratio}, once at the end of prefill. Medians of {args.repeats} "
-             f"rounds. tok/s counts generated tokens per second of engine time.", "",
+             f"policies at compression_ratio {args.ratio}: those named alone once at the end of prefill, those "
+             f"marked `chunk` after every prefill chunk"
+             + (f", each sequence computing at most {args.max_prefill_chunk} prompt tokens per step (admitted on "
+                f"its compressed prompt plus one chunk)" if args.max_prefill_chunk else "")
+             + f". Medians of {args.repeats} rounds. tok/s counts generated tokens per second of engine time.", "",
              table(results["rows"], cols), ""]
     return "\n".join(lines) + "\n"
 
@@ -126,6 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--policies", nargs="+", default=["snapkv", "streaming_llm", "knorm"])
+    p.add_argument("--chunk-policies", nargs="*", default=[],
+                   help="policies also run with when='chunk' (compressed after every prefill chunk)")
+    p.add_argument("--max-prefill-chunk", type=int, default=None,
+                   help="engine max_prefill_chunk of the --chunk-policies runs (None: the step's budget)")
     p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio of every policy")
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--trace", default=None, help="Azure trace (code, conv or a CSV path) giving the prompt lengths")
