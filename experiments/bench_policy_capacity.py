@@ -40,7 +40,8 @@ STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s"
 COLUMNS = [("policy", "policy"), ("max_concurrent_seqs", "max seqs"), ("mean_concurrent_seqs", "mean seqs"),
            ("tokens_per_s", "tok/s (busy)"), ("wall_s", "wall s"), ("ttft_median_s", "TTFT p50 s"),
            ("preemptions", "preemptions"), ("ms_per_compression", "ms per compression"),
-           ("policy_share", "policy share of busy time"), ("pages_freed_per_seq", "pages freed per seq")]
+           ("policy_ms_per_step", "policy ms per step"), ("policy_share", "policy share of busy time"),
+           ("pages_freed_per_seq", "pages freed per seq")]
 
 
 def measure(model: str, loaded, policy: str, policy_args: dict, engine_args: dict, prompts, args) -> dict:
@@ -112,6 +113,7 @@ def summarise(name: str, runs: list[dict], num_requests: int) -> dict:
     calls = row["policy_compressions"]
     row["ms_per_compression"] = 1000 * row["policy_s"] / calls if calls else float("nan")
     row["policy_share"] = row["policy_s"] / row["busy_s"] if row["busy_s"] else float("nan")
+    row["policy_ms_per_step"] = 1000 * row["policy_s"] / row["num_steps"] if row["num_steps"] else float("nan")
     row["pages_freed_per_seq"] = row["policy_pages_freed"] / num_requests
     row["runs"] = runs
     return row

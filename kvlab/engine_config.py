@@ -54,7 +54,8 @@ class EngineConfig:
     kv_cache_memory: int | float | str = "256MiB"  # byte budget of the whole KV pool (all layers, K and V)
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens computed per step at most (prefill chunks + decodes)
-    max_prefill_chunk: int | None = None  # prompt tokens one sequence computes per step at most (None: the step's budget); with a policy compressing per chunk (when="chunk") admission counts its compressed prompt plus one chunk
+    max_prefill_chunk: int | None = None  # prompt tokens one sequence computes per step at most (None: the step's
+    # budget); under a policy compressing per chunk (when="chunk") admission counts its compressed prompt + one chunk
     max_model_len: int | None = None  # longest sequence; None: the model's context
     policy: str = "full"  # registered eviction/compression policy
     policy_args: dict[str, Any] = field(default_factory=dict)

@@ -46,7 +46,8 @@ class Policy(ABC):
 
     budget: int | None = None  # tokens kept per sequence per layer (None: use compression_ratio)
     compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention; neither given: 0)
-    when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk (the ratio of the prompt so far, never compounded); "decode": also while decoding
+    when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk (the budget of
+    # the prompt so far, never compounded); "decode": also while decoding
     every: int = 64  # with when="decode": compress again after this many decode steps
     per_head: bool = True  # every KV head keeps its own tokens (kvpress); False: one set per layer (scores summed)
 
