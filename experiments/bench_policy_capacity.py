@@ -203,7 +203,10 @@ def report(results: dict, meta: dict, args, cols=None, title="concurrency, throu
              f"marked `chunk` after every prefill chunk"
              + (f", each sequence computing at most the marked number of prompt tokens per step (admitted on "
                 f"its compressed prompt plus one chunk)" if any(args.max_prefill_chunk) else "")
-             + f". Medians of {args.repeats} rounds. tok/s counts generated tokens per second of engine time.", "",
+             + (". Replayed without the model (--replay): the engine's scheduler, block manager and policy budgets "
+                "stepped in the engine's order; concurrency, preemptions, steps and pages are a run's, time is not "
+                "measured." if args.replay else
+                f". Medians of {args.repeats} rounds. tok/s counts generated tokens per second of engine time."), "",
              table(results["rows"], cols), ""]
     return "\n".join(lines) + "\n"
 
