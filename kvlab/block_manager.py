@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvlab.allocators.base import NULL_BLOCK, Allocator
 from kvlab.prefix_cache import Node, PrefixCache, request_salt
@@ -60,7 +60,7 @@ def equal_groups(layer_windows: list[int | None], size: int | None = None,
 class BlockManager:
     def __init__(self, groups: list[LayerGroup], allocator: Allocator, num_blocks: int, block_size: int,
                  max_model_len: int, max_chunk: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefix_match: str = "page"):
+                 prefix_match: str = "page", kept_tokens: Callable[[int, int], int] | None = None):
         sizes = {len(g.layers) for g in groups}
         if len(sizes) != 1:
             raise ValueError(f"layer groups must have equal layer counts to share pages, got {sorted(sizes)}")
@@ -69,6 +69,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.max_chunk = max_chunk or max_model_len  # most tokens a sequence computes in one step
+        # (group, prompt tokens) -> tokens the group keeps of the prompt when a policy compresses it after
+        # every chunk (None: nothing is compressed before the prompt is in; admission counts every token)
+        self.kept_tokens = kept_tokens
         self.allocator = allocator
         allocator.setup(num_blocks, block_size, max_model_len)
         self.full_groups = [g for g, group in enumerate(groups) if group.sliding_window is None]
@@ -100,6 +103,17 @@ class BlockManager:
         if group.sliding_window is None:
             return num_tokens
         return min(num_tokens, group.sliding_window + self.max_chunk + self.block_size)
+
+    def _admission(self, g: int, seq: Sequence) -> int:
+        """Tokens group `g` must find room for to admit `seq`: its footprint; with a policy compressing
+        after every chunk, the most it holds before its prompt is in (what it keeps of the prompt,
+        the tokens after the prompt that a recompute brings, one more chunk), if that is less."""
+        group, n = self.groups[g], seq.num_tokens
+        footprint = self._footprint(group, n)
+        if self.kept_tokens is None or group.sliding_window is not None:
+            return footprint
+        prompt = min(seq.num_prompt_tokens, n)
+        return min(footprint, self.kept_tokens(g, prompt) + (n - prompt) + self.max_chunk)
 
     # -- sizing ----------------------------------------------------------------
     def capacity_error(self, seq: Sequence) -> str | None:
@@ -187,7 +201,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
-                [(self._footprint(g, seq.num_tokens), seq.max_len) for g in self.groups])
+                [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))])
         hit, nodes = self._lookup(seq)
         a, need = self.allocator, 0
         for g, group in enumerate(self.groups):

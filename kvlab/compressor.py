@@ -13,7 +13,8 @@ depends on what else was in the batch.
 When a sequence is compressed:
 - `when="prefill"`: once, in the step that computes the last token of its prompt (a scoring request:
   of its context);
-- `when="chunk"`: after every prefill chunk;
+- `when="chunk"`: after every prefill chunk, the observation window being the chunk's last queries
+  (those of earlier chunks are dropped once a compression has run: their keys may be gone);
 - `when="decode"`: after the prefill, then every `every` decode steps.
 """
 
@@ -63,8 +64,9 @@ class Compressor:
             return 0
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
         prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
-        if start < prompt_end:
-            return max(0, end - max(start, prompt_end - w))
+        if start < prompt_end:  # with when="chunk" every chunk is compressed: the window ends with the chunk
+            window_end = min(end, prompt_end) if self.policy.when == "chunk" else prompt_end
+            return max(0, end - max(start, window_end - w))
         return min(num_new_tokens, w) if self.policy.when == "decode" else 0
 
     def due(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -94,6 +96,8 @@ class Compressor:
             if w and queries:
                 if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
                     self._queries.pop(seq.seq_id, None)
+                elif self.policy.when == "chunk" and seq.num_computed_tokens - n < prompt_end:
+                    self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
                 kept = self._queries.setdefault(seq.seq_id, {})
                 for layer, q in queries.items():
                     if q[i].shape[0]:

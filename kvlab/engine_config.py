@@ -54,6 +54,8 @@ class EngineConfig:
     kv_cache_memory: int | float | str = "256MiB"  # byte budget of the whole KV pool (all layers, K and V)
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens computed per step at most (prefill chunks + decodes)
+    max_prefill_chunk: int | None = None  # prompt tokens one sequence computes per step at most (None: the step's
+    # budget); under a policy compressing per chunk (when="chunk") admission counts its compressed prompt + one chunk
     max_model_len: int | None = None  # longest sequence; None: the model's context
     policy: str = "full"  # registered eviction/compression policy
     policy_args: dict[str, Any] = field(default_factory=dict)
@@ -90,6 +92,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise EngineOptionError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise EngineOptionError("max_prefill_chunk", f"must be >= 1 or None, got {self.max_prefill_chunk}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise EngineOptionError("max_model_len", f"must be >= 2 or None, got {self.max_model_len}")
         for name in PLUGIN_ARGS:

@@ -14,6 +14,7 @@ import math
 import numbers
 import time
 import warnings
+from typing import Callable
 
 import torch
 
@@ -162,15 +163,17 @@ class LLMEngine:
             prefix_cache = (RadixCache(config.block_size, eviction, salt) if config.prefix_cache == "radix"
                             else PrefixCache(config.block_size, eviction, salt))
         match = "token" if config.prefix_cache == "radix" else config.prefix_match  # a radix tree matches tokens
+        max_chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
         self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
                                           num_blocks, config.block_size, self.max_model_len,
-                                          config.max_num_batched_tokens, prefix_cache, match)
+                                          max_chunk, prefix_cache, match, self._kept_tokens(groups))
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
                              config.device, residual_rows=residual_rows)
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
             self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
                                                 dtype, config.device)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
         self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
             if self.policy.compresses else None
@@ -186,6 +189,14 @@ class LLMEngine:
         self._return_dists: set[int] = set()
         self._samples: dict[int, tuple[int, int]] = {}  # parallel sampling: seq id -> (group id, sample index)
         self._groups: dict[int, list[int]] = {}  # group id (the first sample's id) -> ids of its unfinished samples
+
+    def _kept_tokens(self, groups: list[LayerGroup]) -> Callable[[int, int], int] | None:
+        """For admission: (group, prompt tokens) -> tokens the group keeps of the prompt, when the policy
+        compresses after every prefill chunk (so a prompt never holds more than that plus one chunk)."""
+        if not self.policy.compresses or self.policy.when != "chunk":
+            return None
+        num_layers = sum(len(g.layers) for g in groups)
+        return lambda g, n: self.policy.layer_budget(groups[g].layers[0], num_layers, n)
 
     def _check_prefix_caching(self, config: EngineConfig) -> None:
         """Prefix caching with a feature it does not support yet: a clear error before the model loads."""

@@ -7,6 +7,11 @@ prefills, in admission order), then by waiting ones (FCFS). When the pool
 cannot grow a running sequence, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue to be
 recomputed later, so no request is lost or corrupted.
+
+`max_prefill_chunk` caps the tokens one sequence computes in a step while it has more than one
+to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy
+that compresses after every chunk, a prompt never holds more than its compressed past plus one
+chunk (the block manager admits it on that footprint).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk  # None: a prompt's chunk is bounded by the step's budget only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -52,7 +59,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.chunk_limit(), budget)
+            n = self._chunk(seq, budget)
             if n > seq.num_uncomputed_tokens and not self.block_manager.can_append(seq, n):
                 n = seq.num_uncomputed_tokens  # no room for tentative draft slots: decode plainly, preempt no one
             seq.keep_draft_tokens(n)  # draft tokens count against the token budget
@@ -68,7 +75,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq):
                 break
             seq.num_computed_tokens = self.block_manager.num_cached_tokens(seq)  # prefix-cache hit (or 0)
-            n = min(seq.chunk_limit(), budget)
+            n = self._chunk(seq, budget)
             self.block_manager.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -77,6 +84,17 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: its chunk limit within the step's budget; with
+        `max_prefill_chunk`, at most that many when it has a prompt (or a recompute) to compute, never
+        past the prompt's end (a recompute chunks its prompt as the first pass did), and any decode."""
+        n = min(seq.chunk_limit(), budget)
+        if self.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
+            n = min(n, self.max_prefill_chunk)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return n
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Preempt from the back of `running` until `seq` can grow by `n`; False if `seq` went itself."""

@@ -60,6 +60,7 @@ class AdaKV(Policy):
         self._inner.bind(model)
 
     def begin(self, seq_len: int) -> None:
+        super().begin(seq_len)
         self._inner.begin(seq_len)
 
     def score(self, layer_idx, keys, values, queries, attn_stats):

@@ -12,6 +12,13 @@ Lower-level hooks for policies that need more: `select` (the kept indices of one
 for chunk-level or structured selection) and `layer_budget` (per-layer budget schedules, e.g.
 PyramidKV). Wrappers compose by holding another policy.
 
+The budget counts the whole sequence so far, never what an earlier compression left: after any
+compression (the end of prefill, every prefill chunk with `when="chunk"`, every `every` decode steps
+with `when="decode"`) a layer keeps `layer_budget(n)` tokens, n being the tokens the sequence has
+computed so far (`begin`'s seq_len), or all it still caches if that is fewer. With a ratio r a
+prompt compressed chunk by chunk therefore holds int(n * (1 - r)) tokens after each chunk -- what
+kvpress keeps of a prompt of that length -- and never (1 - r)^k of it after k chunks.
+
 Per KV head (`per_head=True`, the default, as kvpress): every KV head of a layer keeps its own
 `budget` tokens (top-k of its own column of scores). Each head's survivors are packed into the
 first `budget` slots of the layer's table for that head, so all heads hold the same number of slots
@@ -23,7 +30,7 @@ layer (scores summed over heads). Per-head budgets that differ between heads (Ad
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 import torch
@@ -39,9 +46,12 @@ class Policy(ABC):
 
     budget: int | None = None  # tokens kept per sequence per layer (None: use compression_ratio)
     compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention; neither given: 0)
-    when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk; "decode": also while decoding
+    when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk (the budget of
+    # the prompt so far, never compounded); "decode": also while decoding
     every: int = 64  # with when="decode": compress again after this many decode steps
     per_head: bool = True  # every KV head keeps its own tokens (kvpress); False: one set per layer (scores summed)
+
+    _seq_len: int | None = field(default=None, init=False, repr=False, compare=False)  # set by `begin`
 
     compresses: ClassVar[bool] = True  # False: the engine never calls the policy (full cache)
     head_budgets: ClassVar[bool] = False  # True: KV heads keep different numbers of tokens (a table per head)
@@ -76,14 +86,22 @@ class Policy(ABC):
 
     def begin(self, seq_len: int) -> None:
         """Called before a sequence is compressed: `seq_len` tokens have KV (the queries handed to
-        `score` are those of the latest of them, at positions seq_len - W .. seq_len - 1)."""
+        `score` are those of the latest of them, at positions seq_len - W .. seq_len - 1). Overrides
+        call it: the budget of every layer is that of a sequence of `seq_len` tokens."""
+        self._seq_len = seq_len
 
     # -- the budget --------------------------------------------------------------
-    def layer_budget(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
-        """Tokens one layer keeps out of `num_cached` (kvpress: max(1, int(n * (1 - ratio))))."""
+    def layer_budget(self, layer_idx: int, num_layers: int, num_tokens: int) -> int:
+        """Tokens one layer keeps of a sequence of `num_tokens` tokens (kvpress: max(1, int(n * (1 - ratio))))."""
         if self.budget is not None:
-            return min(num_cached, self.budget)
-        return min(num_cached, max(1, int(num_cached * (1.0 - (self.compression_ratio or 0.0)))))
+            return min(num_tokens, self.budget)
+        return min(num_tokens, max(1, int(num_tokens * (1.0 - (self.compression_ratio or 0.0)))))
+
+    def num_kept(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
+        """Tokens one layer keeps now, holding `num_cached`: the budget of the whole sequence so far
+        (`begin`'s seq_len; `num_cached` if never called), never more than it caches."""
+        seq_len = max(self._seq_len or 0, num_cached)
+        return min(num_cached, self.layer_budget(layer_idx, num_layers, seq_len))
 
     # -- the hooks ---------------------------------------------------------------
     @abstractmethod
@@ -102,7 +120,7 @@ class Policy(ABC):
         """The cache indices one layer keeps: None (all), one sorted list shared by the KV heads, or one
         sorted list per KV head, all of one length (default: top-k of the scores, per head or summed)."""
         n = keys.shape[0]
-        keep = self.layer_budget(layer_idx, num_layers, n)
+        keep = self.num_kept(layer_idx, num_layers, n)
         if keep >= n:
             return None
         scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]

@@ -35,7 +35,7 @@ class ChunkKV(SnapKV):
 
     def select(self, layer_idx, num_layers, keys, values, queries, attn_stats):
         n = keys.shape[0]
-        keep = self.layer_budget(layer_idx, num_layers, n)
+        keep = self.num_kept(layer_idx, num_layers, n)
         if keep >= n:
             return None
         first = layer_idx - layer_idx % self.reuse_layers

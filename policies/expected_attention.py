@@ -42,7 +42,6 @@ class ExpectedAttention(Policy):
     use_vnorm: bool = True
     epsilon: float = 0.0
     _rope: Callable | None = field(default=None, init=False, repr=False, compare=False)
-    _seq_len: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,9 +58,6 @@ class ExpectedAttention(Policy):
 
     def bind(self, model: torch.nn.Module) -> None:
         self._rope = rotary_of(model)
-
-    def begin(self, seq_len: int) -> None:
-        self._seq_len = seq_len
 
     def score(self, layer_idx, keys, values, queries, attn_stats):
         if self._rope is None or self._seq_len is None:

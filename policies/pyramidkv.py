@@ -29,8 +29,8 @@ class PyramidKV(SnapKV):
         if not self.beta >= 1:
             raise ValueError(f"beta must be >= 1, got {self.beta!r}")
 
-    def layer_budget(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
-        n, w = num_cached, self.window_size
+    def layer_budget(self, layer_idx: int, num_layers: int, num_tokens: int) -> int:
+        n, w = num_tokens, self.window_size
         c = float(self.budget) if self.budget is not None else n * (1.0 - (self.compression_ratio or 0.0))
         if c >= n:  # the uniform budget covers the sequence: nothing to compress anywhere
             return n

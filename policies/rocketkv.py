@@ -78,12 +78,12 @@ class RocketKV(SparseReadPolicy, Policy):
     def query_window(self) -> int:
         return self.stage1.query_window
 
-    def layer_budget(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
+    def layer_budget(self, layer_idx: int, num_layers: int, num_tokens: int) -> int:
         if self.prompt_budget is not None:
-            return min(num_cached, self.prompt_budget)
-        c = max(1.0, num_cached / self.budget)
+            return min(num_tokens, self.prompt_budget)
+        c = max(1.0, num_tokens / self.budget)
         r = min(0.2 + 0.06 * math.log2(c), 0.8)
-        return min(num_cached, max(self.window_size, int(num_cached / c ** r)))
+        return min(num_tokens, max(self.window_size, int(num_tokens / c ** r)))
 
     def score(self, layer_idx, keys, values, queries, attn_stats):
         return self.stage1.score(layer_idx, keys, values, queries, attn_stats)

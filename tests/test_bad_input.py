@@ -230,6 +230,7 @@ def test_unknown_random_shape_lists_the_shapes():
     (dict(max_num_seqs=0), "^max_num_seqs: must be >= 1, got 0"),
     (dict(max_num_batched_tokens=0), "^max_num_batched_tokens: must be >= 1, got 0"),
     (dict(max_model_len=1), r"^max_model_len: must be >= 2 or None, got 1"),
+    (dict(max_prefill_chunk=0), r"^max_prefill_chunk: must be >= 1 or None, got 0"),
     (dict(dtype="float8"), "^dtype: expected one of 'float32', 'bfloat16', 'float16', got str 'float8'"),
 ])
 def test_other_engine_settings_are_checked_before_the_model(kwargs, message):
@@ -245,6 +246,7 @@ def test_other_engine_settings_are_checked_before_the_model(kwargs, message):
     (dict(max_num_seqs=2.5), "max_num_seqs: expected int, got float 2.5"),
     (dict(max_num_batched_tokens="512"), "max_num_batched_tokens: expected int, got str '512'"),
     (dict(max_num_batched_tokens=512.0), "max_num_batched_tokens: expected int, got float 512.0"),
+    (dict(max_prefill_chunk=64.0), r"max_prefill_chunk: expected int or null \(None\), got float 64.0"),
     (dict(seed="0"), "seed: expected int, got str '0'"),
     (dict(seed=1.5), "seed: expected int, got float 1.5"),
     (dict(kernel_backend="cuda"), "kernel_backend: expected one of 'auto', 'torch', 'triton', got str 'cuda'"),

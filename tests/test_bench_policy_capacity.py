@@ -30,3 +30,26 @@ def test_compression_turns_into_concurrent_sequences(tmp_path):
         assert rows[name]["max_concurrent_seqs"] == 8 and rows[name]["policy_compressions"] == 8
         assert rows[name]["pages_freed_per_seq"] == 2 * (13 - 4)  # both layers, 13 pages down to 4
     assert (tmp_path / "cap.md").read_text().count("|") > 20
+
+
+def test_the_model_free_replay_counts_what_a_run_counts(tmp_path):
+    """--replay drives the engine's scheduler and budgets without the model: its concurrency, preemptions and
+    steps equal a run's, for the full cache, compression at the end of prefill and per chunk with a cap."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        argv = ["--model", "random:llama-tiny", "--num-requests", "20", "--min-len", "200", "--max-len", "200",
+                "--max-tokens", "8", "--kv-memory", "512KiB", "--max-model-len", "256", "--max-batched-tokens", "256",
+                "--policies", "snapkv", "--chunk-policies", "snapkv", "--max-prefill-chunk", "32"]
+        ran = bench.main(argv + ["--out", str(tmp_path / "run")])
+        replayed = bench.main(argv + ["--replay", "--out", str(tmp_path / "replay")])
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert [r["policy"] for r in replayed["rows"]] == ["full", "snapkv", "snapkv (chunk, prefill chunk <= 32)"]
+    for run, rep in zip(ran["rows"], replayed["rows"]):
+        for key in ("max_concurrent_seqs", "mean_concurrent_seqs", "preemptions", "num_steps"):
+            assert rep[key] == run[key], (run["policy"], key, rep[key], run[key])
+    chunked = replayed["rows"][2]
+    assert chunked["max_concurrent_seqs"] > replayed["rows"][1]["max_concurrent_seqs"]

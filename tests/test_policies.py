@@ -85,6 +85,36 @@ def test_policies_keep_the_positions_of_what_they_keep():
         assert llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == want
 
 
+@pytest.mark.parametrize("name", ["snapkv", "knorm"])
+def test_per_chunk_compression_applies_the_ratio_to_the_whole_prompt_so_far(name):
+    """when="chunk" at ratio 0.75, 32-token chunks of a 90-token prompt: after each chunk a layer holds what
+    kvpress keeps of a prompt of that length, int(n * 0.25) = 8, 16, 22 -- not 8, int(40 * 0.25) = 10, ...
+    as compressing what the last chunk left would give."""
+    args = {"compression_ratio": 0.75, "when": "chunk", **({"window_size": 8} if name == "snapkv" else {})}
+    llm = LLM("random:llama-tiny", policy=name, policy_args=args, max_num_batched_tokens=32)
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request(list(range(3, 93)), SamplingParams(max_tokens=2, ignore_eos=True))
+    seq = engine.scheduler.waiting[0]
+    held = []
+    while seq.num_computed_tokens < 90:
+        engine.step()
+        held.append(bm.cached_lens([seq], 0)[0])
+    assert held == [8, 16, 22]
+    assert [bm.cached_lens([seq], g)[0] for g in range(len(bm.groups))] == [22] * len(bm.groups)
+
+
+def test_the_budget_counts_the_tokens_seen_not_the_tokens_cached():
+    from kvlab.policies.knorm import KNorm
+
+    policy = KNorm(compression_ratio=0.5, per_head=False)  # one kept list per layer
+    keys = torch.randn(40, 2, 8)  # 40 cached after an earlier compression of a longer sequence
+    assert len(policy.select(0, 2, keys, keys, None, None)) == 20  # never told: the cached count
+    policy.begin(64)
+    assert len(policy.select(0, 2, keys, keys, None, None)) == 32  # int(64 * 0.5): the sequence so far
+    policy.begin(100)
+    assert policy.select(0, 2, keys, keys, None, None) is None  # 50 >= 40 cached: nothing to remove
+
+
 def test_decode_time_compression_keeps_the_cache_bounded():
     llm = LLM("random:llama-tiny", policy="streaming_llm", policy_args={"budget": 24, "when": "decode", "every": 4},
               block_size=4)
