@@ -140,7 +140,7 @@ class Compressor:
             keys, values = self.gather(seq, g, layer)
             protected = self.bm.protected_slots(seq, g)
             keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer),
-                                      protected=protected)
+                                      **_protect(protected))
             if keep is None:
                 continue
             if keep and isinstance(keep[0], list):  # a kept list per KV head
@@ -164,7 +164,7 @@ class Compressor:
                                f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
         keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
         protected = min(self.bm.protected_slots(seq, g) for g in groups)
-        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None, protected=protected)
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None, **_protect(protected))
         if keep is None:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
@@ -198,3 +198,9 @@ class Compressor:
         self._decode_steps.pop(seq.seq_id, None)
         self._queries.pop(seq.seq_id, None)
         self._mass.pop(seq.seq_id, None)
+
+
+def _protect(protected: int) -> dict:
+    """select()'s `protected` keyword, passed only when some pages are shared (prefix caching), so policies
+    and wrappers written before it keep working without prefix caching."""
+    return {"protected": protected} if protected else {}

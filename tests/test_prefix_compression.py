@@ -28,6 +28,7 @@ POLICIES = {  # policy -> arguments that compress ~60-token prompts
     "adakv": {"budget": 12, "scorer_args": {"window_size": 6}},
     "chunkkv": {"budget": 12, "window_size": 6, "chunk_size": 5},
     "pyramidkv": {"budget": 12, "window_size": 6},
+    "rocketkv": {"budget": 16, "window_size": 6, "kernel_size": 5},  # and sparse reading at decode
 }
 
 
@@ -49,6 +50,7 @@ def engine(policy: str, on: bool, model: str = "random:llama-tiny", memory: int 
 
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+HEAVY = pytest.mark.heavy  # the same checks on more policies / models (the fast cases cover every code path)
 
 
 def record_hits(llm: LLM) -> dict[tuple, int]:
@@ -142,7 +144,7 @@ def run(llm: LLM, batches: list[list[list[int]]]) -> list[list[int]]:
     return [o.token_ids for batch in batches for o in llm.generate(batch, PARAMS)]
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "adakv", "streaming_llm"])
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", pytest.param("streaming_llm", marks=HEAVY)])
 def test_a_request_that_hits_nothing_is_compressed_as_with_prefix_caching_off(policy):
     batch = prompts(0, [45, 52, 38], seed=1)
     on = engine(policy, True)
@@ -153,7 +155,9 @@ def test_a_request_that_hits_nothing_is_compressed_as_with_prefix_caching_off(po
     assert stats["prefix_cached_free_pages"] > 0  # the originals of the compacted pages stay findable
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", ["snapkv", "snapkv-decode", "adakv", pytest.param("streaming_llm", marks=HEAVY),
+                                    pytest.param("chunkkv", marks=HEAVY), pytest.param("pyramidkv", marks=HEAVY),
+                                    pytest.param("rocketkv", marks=HEAVY)])
 def test_a_hit_keeps_its_shared_pages_and_equals_the_run_without_caching_that_pins_them(policy):
     first, *later = prompts(40, [13, 9, 17, 11])
     on = engine(policy, True)
@@ -172,18 +176,19 @@ def test_a_hit_keeps_its_shared_pages_and_equals_the_run_without_caching_that_pi
         assert plain[1:] != outputs[1:]  # pinning matters here (so the comparison above can fail)
 
 
-def test_requests_sharing_a_prefix_in_one_batch_leave_each_others_pages_alone():
-    """B and C hit A's cached pages in the same step (each page then has two tables and the cache as
-    owners); gemma3's sliding-window groups are left uncompressed and share their window."""
+@pytest.mark.parametrize("model, memory", [("random:llama-tiny", 64 * 1024),
+                                           pytest.param("random:gemma3-tiny", 192 * 1024, marks=HEAVY)])
+def test_requests_sharing_a_prefix_in_one_batch_leave_each_others_pages_alone(model, memory):
+    """Three requests hit A's cached pages in the same step (each page then has three tables and the
+    cache as owners); gemma3's sliding-window groups are left uncompressed and share their window."""
     first, *later = prompts(24, [9, 14, 6, 11], seed=3)
-    for model, memory in [("random:llama-tiny", 64 * 1024), ("random:gemma3-tiny", 192 * 1024)]:
-        on = engine("snapkv", True, model=model, memory=memory)
-        hits, seen = record_hits(on), watch_pages(on)
-        outputs = run(on, [[first], later])
-        assert seen["protected"] >= 3 * 6 and seen["compressions"] == 4  # 3 hits of 6 pages (per layer)
-        off = engine("snapkv", False, model=model, memory=memory)
-        pin(off, hits)
-        assert run(off, [[first], later]) == outputs, model
+    on = engine("snapkv", True, model=model, memory=memory)
+    hits, seen = record_hits(on), watch_pages(on)
+    outputs = run(on, [[first], later])
+    assert seen["protected"] >= 3 * 6 and seen["compressions"] == 4  # 3 hits of 6 pages (in some layer)
+    off = engine("snapkv", False, model=model, memory=memory)
+    pin(off, hits)
+    assert run(off, [[first], later]) == outputs
 
 
 def test_a_small_pool_preempts_and_evicts_without_leaking_or_writing_a_cached_page():
@@ -196,6 +201,20 @@ def test_a_small_pool_preempts_and_evicts_without_leaking_or_writing_a_cached_pa
     assert seen["compressions"] > 0 and seen["protected"] > 0
     a = on.engine.block_manager.allocator
     assert not a.tables and a.ref_counts == [0] * a.num_blocks and a.num_free_blocks == a.num_blocks
+
+
+def test_parallel_samples_share_their_prompt_whole():
+    """n = 2: the samples are forked before the prompt is compressed, so every prompt page has two tables:
+    all protected, nothing moved; the pages all come back."""
+    first, *later = prompts(40, [13, 9])
+    on = engine("snapkv", True)
+    seen = watch_pages(on)
+    params = SamplingParams(max_tokens=8, n=2, seed=3, temperature=1.0, ignore_eos=True)
+    for batch in ([first], later):
+        on.generate(batch, params)
+    assert seen["compressions"] == 3 and seen["moves"] == 0 and seen["protected"] > 0
+    a = on.engine.block_manager.allocator
+    assert not a.tables and a.num_free_blocks == a.num_blocks
 
 
 def test_a_compacted_request_registers_nothing_after_its_compaction():
