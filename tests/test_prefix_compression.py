@@ -73,8 +73,9 @@ def pin(llm: LLM, hits: dict[tuple, int]) -> None:
 
 
 def page_contents(llm: LLM, page: int) -> list[torch.Tensor]:
-    cache = llm.engine.cache
-    return [pool[page].clone() for pool in (*cache._k, *cache._v)]
+    cache = llm.engine.cache  # element-wise formats: one tensor per side; packed ones: their parts
+    pools = [t for pool in (*cache._k, *cache._v) for t in (pool.parts.values() if hasattr(pool, "parts") else [pool])]
+    return [pool[page].clone() for pool in pools]
 
 
 def watch_pages(llm: LLM) -> dict:
@@ -174,6 +175,19 @@ def test_a_hit_keeps_its_shared_pages_and_equals_the_run_without_caching_that_pi
     assert plain[0] == outputs[0]  # the first request hit nothing
     if policy == "snapkv":
         assert plain[1:] != outputs[1:]  # pinning matters here (so the comparison above can fail)
+
+
+@pytest.mark.parametrize("options", [{"prefix_cache": "radix"}, pytest.param({"prefix_match": "token"}, marks=HEAVY),
+                                     pytest.param({"quant": "int8"}, marks=HEAVY)])
+def test_a_hit_equals_the_pinned_run_with_the_radix_tree_token_matches_and_packed_pages(options):
+    first, *later = prompts(40, [13, 9, 17])
+    on = engine("snapkv", True, **options)
+    hits, seen = record_hits(on), watch_pages(on)
+    outputs = run(on, [[first], later])
+    assert seen["protected"] > 0 and seen["moves"] > 0
+    off = engine("snapkv", False, **{k: v for k, v in options.items() if not k.startswith("prefix")})
+    pin(off, hits)
+    assert run(off, [[first], later]) == outputs
 
 
 @pytest.mark.parametrize("model, memory", [("random:llama-tiny", 64 * 1024),
