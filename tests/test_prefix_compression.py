@@ -258,3 +258,20 @@ def test_prefix_caching_with_a_select_that_cannot_protect_pages_is_refused(monke
     monkeypatch.setattr(ChunkKV, "select", lambda self, layer_idx, num_layers, keys, values, queries, stats: None)
     with pytest.raises(ValueError, match=r"its select\(\) takes no `protected` argument"):
         LLM("random:llama-tiny", enable_prefix_caching=True, policy="chunkkv")
+
+
+@pytest.mark.heavy
+@pytest.mark.model
+def test_on_smollm2_a_hit_equals_the_pinned_run_and_a_miss_the_run_without_caching(fresh_model):
+    first, *later = prompts(160, [40, 25, 57], seed=6)
+    kwargs = dict(block_size=16, kv_cache_memory="64MiB", max_num_batched_tokens=128, policy="snapkv",
+                  policy_args={"budget": 64, "window_size": 16})
+    on = LLM("smollm2-135m", loaded=fresh_model("smollm2-135m"), enable_prefix_caching=True, **kwargs)
+    hits, seen = record_hits(on), watch_pages(on)
+    outputs = run(on, [[first], later])
+    assert seen["protected"] > 0 and sorted(hits.values()) == [0, 160, 160]
+    off = LLM("smollm2-135m", loaded=fresh_model("smollm2-135m"), **kwargs)
+    pin(off, hits)
+    assert run(off, [[first], later]) == outputs
+    plain = LLM("smollm2-135m", loaded=fresh_model("smollm2-135m"), **kwargs)
+    assert run(plain, [[first]])[0] == outputs[0]
