@@ -36,7 +36,7 @@ PREFIX = ("prefix_hit_rate_tokens", "prefix_hit_tokens", "prefix_queried_tokens"
 COLUMNS = [("variant", "prefix cache"), ("prefix_hit_rate_tokens", "hit rate (tokens)"),
            ("prefix_hit_tokens", "hit tokens"), ("computed_prompt_tokens", "prompt tokens computed"),
            ("prefix_pages_saved", "pages saved"), ("cow_copies", "CoW copies"), ("tokens_per_s", "tok/s (busy)"),
-           ("busy_s", "busy s"), ("wall_s", "wall s"), ("ttft_median_s", "TTFT p50 s"), ("num_steps", "steps"),
+           ("busy_s", "busy s"), ("wall_s", "wall s"), ("cpu_s", "CPU s"), ("ttft_median_s", "TTFT p50 s"), ("num_steps", "steps"),
            ("kv_blocks_peak", "pages peak"), ("prefix_evictions", "evictions"), ("preemptions", "preemptions")]
 
 
@@ -63,11 +63,11 @@ def measure(loaded, tokens: list[int], variant: str, args) -> dict:
                         tag=f"{conv}/turn{int(turn) + 1}")]
 
     first = [Request(cut(), args.max_tokens, 0.0, tag=f"conv{c}/turn0") for c in range(args.conversations)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = replay(llm, first, "real", follow_up=next_turn)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     stats = {k.split("/", 1)[1]: v for k, v in result.metrics.items()}
-    row = {**{k: stats[k] for k in STATS}, **{k: stats.get(k, 0) for k in PREFIX}, "wall_s": wall}
+    row = {**{k: stats[k] for k in STATS}, **{k: stats.get(k, 0) for k in PREFIX}, "wall_s": wall, "cpu_s": cpu}
     row["computed_prompt_tokens"] = row["prompt_tokens"] - row["prefix_hit_tokens"]
     return {**row, "answers": answers}
 
@@ -92,11 +92,11 @@ def main(argv=None) -> dict:
             log(f"round {r + 1}/{args.repeats}: {name}")
             runs[name].append(measure(loaded, tokens, name, args))
             log(f"  {runs[name][-1]['tokens_per_s']:.2f} tok/s, hit rate {runs[name][-1]['prefix_hit_rate_tokens']:.3f}")
-    keys = (*STATS, *PREFIX, "wall_s", "computed_prompt_tokens")
+    keys = (*STATS, *PREFIX, "wall_s", "cpu_s", "computed_prompt_tokens")
     rows = [{"variant": name, **{k: statistics.median(x[k] for x in rs) for k in keys}} for name, rs in runs.items()]
     by = {row["variant"]: row for row in rows}
     ratios = {f"{a}/{b}": {k: by[a][k] / by[b][k] if by[b][k] else float("nan")
-                           for k in ("tokens_per_s", "busy_s", "wall_s", "computed_prompt_tokens")}
+                           for k in ("tokens_per_s", "busy_s", "wall_s", "cpu_s", "computed_prompt_tokens")}
               for a, b in (("hash", "off"), ("radix", "off"), ("radix", "hash"))}
     same = all(x["answers"] == runs["off"][0]["answers"] for rs in runs.values() for x in rs)
     meta["load_end"] = load_average()
@@ -114,16 +114,18 @@ def main(argv=None) -> dict:
 
 
 def report(results: dict, meta: dict, args) -> str:
-    ratio_lines = [f"{pair}: tok/s {r['tokens_per_s']:.2f}x, busy time {r['busy_s']:.2f}x, wall time "
-                   f"{r['wall_s']:.2f}x, prompt tokens computed {r['computed_prompt_tokens']:.2f}x  "
+    ratio_lines = [f"{pair}: CPU time {r['cpu_s']:.2f}x, busy time {r['busy_s']:.2f}x, wall time {r['wall_s']:.2f}x, "
+                   f"tok/s {r['tokens_per_s']:.2f}x, prompt tokens computed {r['computed_prompt_tokens']:.2f}x  "
                    for pair, r in results["ratios"].items()]
-    per_run = "; ".join(f"{n}: " + ", ".join(f"{x['tokens_per_s']:.2f}" for x in rs) for n, rs in results["runs"].items())
+    per_run = "; ".join(f"{n}: " + ", ".join(f"{x['tokens_per_s']:.2f} tok/s ({x['cpu_s']:.1f} CPU s)" for x in rs)
+                        for n, rs in results["runs"].items())
     return "\n".join([
         f"# Multi-turn conversations: prefix caching off / hash / radix, {args.model} ({commit_line(meta)})", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Machine: {meta['machine']}  ",
         f"Load average (1/5/15 min) at start: {meta['load_start']}, at end: {meta['load_end']} (the machine was "
         f"shared: other agents' jobs ran on the 2 cores during the run; wall and busy time include their "
-        f"interference, so only the ratios, measured in the same run, mean much)", "",
+        f"interference; CPU s (the process's CPU time, one torch thread) counts only the time the run had a core, so it is "
+        f"the steadier measure of work here)", "",
         f"{args.conversations} conversations side by side, {args.turns} turns each; a turn = the conversation so "
         f"far + a {args.user_len}-token WikiText-2 user message, arriving when the previous answer is done; "
         f"{args.max_tokens} new tokens per turn (greedy, EOS ignored). KV budget {args.kv_memory}, block "
@@ -132,7 +134,7 @@ def report(results: dict, meta: dict, args) -> str:
         table(results["rows"], COLUMNS), "", *ratio_lines,
         f"Greedy outputs identical for every variant (every turn, every run): "
         f"{'yes' if results['same_greedy_tokens'] else 'NO'}  ",
-        f"Per run tok/s (busy): {per_run}", ""])
+        f"Per run: {per_run}", ""])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
