@@ -87,6 +87,10 @@ class BlockManager:
                                  f"does not support it yet")
             allocator.prefix_cache = prefix_cache
         self._match: tuple[int, int, list[Node]] | None = None  # (seq id, hit tokens, nodes) of the last lookup
+        # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
+        self.recompute_tail = 0
+        self._hits: dict[int, tuple[int, set]] = {}  # seq id -> (hit tokens, {(group, page)} taken from the cache)
+        self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
 
     # -- tables ----------------------------------------------------------------
     def key(self, seq: Sequence | int, group: int) -> int:
@@ -151,6 +155,8 @@ class BlockManager:
         bs, last = self.block_size, seq.num_tokens_to_compute - 1
         if seq.is_scoring:
             last = min(last, seq.score_from - 1)
+        if self.recompute_tail:  # the policy's observation window is computed by this request
+            last = min(last, (seq.score_from if seq.is_scoring else seq.num_prompt_tokens) - self.recompute_tail)
         last = max(last, 0)
         salt = self._salt(seq)
         nodes = self.prefix_cache.match(seq.token_ids, salt, last // bs)
@@ -192,8 +198,9 @@ class BlockManager:
         return self._match[1]
 
     def commit(self, seq: Sequence) -> None:
-        """`seq`'s computed tokens are final: register its full pages in the prefix cache."""
-        if self.prefix_cache is not None:
+        """`seq`'s computed tokens are final: register its full pages in the prefix cache (none once a
+        policy compacted it: its cache indices no longer follow token positions)."""
+        if self.prefix_cache is not None and seq.seq_id not in self._compacted:
             self.prefix_cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
 
@@ -223,15 +230,17 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but the prefix "
                                f"cache holds {hit}: call num_cached_tokens just before allocate")
         self._match = None
-        used, saved = [], 0
+        used, saved, taken = [], 0, set()
         for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
             pages = self._cached_pages(g, nodes, hit)
             self.allocator.allocate_cached(key, pages, hit)
             used += [p for p in pages if p != NULL_BLOCK]
+            taken |= {(g, p) for p in pages if p != NULL_BLOCK}
             saved += sum(1 for p in pages[:hit // self.block_size] if p != NULL_BLOCK)  # a partial page is copied
         for key in self._keys(seq):
             self.allocator.append_slots(key, num_tokens)
         self.prefix_cache.start(seq.seq_id, nodes[:hit // self.block_size], used)
+        self._hits[seq.seq_id] = (hit, taken)
         stats = self.prefix_cache.stats
         stats.queried_tokens += seq.num_tokens_to_compute
         stats.hit_tokens += hit
@@ -246,13 +255,15 @@ class BlockManager:
             self.allocator.append_slots(key, num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None:  # the radix tree keeps the partly filled last page
+        if self.prefix_cache is not None and seq.seq_id not in self._compacted:  # the radix tree keeps the last page
             self.prefix_cache.retire(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
         for key in self._keys(seq):
             self.allocator.free(key)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sequence(seq.seq_id)
+        self._hits.pop(seq.seq_id, None)
+        self._compacted.discard(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""
@@ -260,6 +271,10 @@ class BlockManager:
             self.allocator.fork(self.key(parent, g), self.key(child, g))
         if self.prefix_cache is not None:
             self.prefix_cache.fork(parent.seq_id, child.seq_id)
+        if parent.seq_id in self._hits:
+            self._hits[child.seq_id] = self._hits[parent.seq_id]
+        if parent.seq_id in self._compacted:
+            self._compacted.add(child.seq_id)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the last `num_tokens` slots of every group (rejected speculative tokens)."""
@@ -280,8 +295,31 @@ class BlockManager:
 
     def compact(self, seq: Sequence, group: int, keep: list[int]) -> list[tuple[int, int]]:
         """Keep only cache indices `keep` of one group, moved to the front; the (src, dst) slot moves
-        the cache must apply at once (kvlab.kv_cache.KVCache.move_slots)."""
+        the cache must apply at once (kvlab.kv_cache.KVCache.move_slots). A shared or cached page is
+        never written (the allocator copies what it must move into a fresh page), and from now on
+        `seq` registers nothing in the prefix cache."""
+        self._compacted.add(seq.seq_id)
         return self.allocator.compact(self.key(seq, group), keep)
+
+    def protected_slots(self, seq: Sequence, group: int) -> int:
+        """Leading cache indices of `seq` in `group` that a compressing policy must keep in place: those
+        in the leading pages it shares, held by another table too or taken from the prefix cache at
+        admission (0 without prefix caching). Pages `seq` computed and registered itself, held by no one
+        else, are not protected: compacting them copies the survivors out, the originals stay cached."""
+        if self.prefix_cache is None:
+            return 0
+        key = self.key(seq, group)
+        table, n = self.allocator.block_table(key), self.allocator.num_tokens(key)
+        hits = self._hits.get(seq.seq_id, (0, set()))[1]
+        k = 0
+        while k < len(table) and table[k] != NULL_BLOCK and ((group, table[k]) in hits
+                                                             or self.allocator.num_owners(table[k]) > 1):
+            k += 1
+        return min(k * self.block_size, n)
+
+    def num_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` took from the prefix cache when it was last admitted (its first computed token)."""
+        return self._hits.get(seq.seq_id, (0, set()))[0]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write page copies (src, dst)."""

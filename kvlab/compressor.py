@@ -16,6 +16,12 @@ When a sequence is compressed:
 - `when="chunk"`: after every prefill chunk, the observation window being the chunk's last queries
   (those of earlier chunks are dropped once a compression has run: their keys may be gone);
 - `when="decode"`: after the prefill, then every `every` decode steps.
+
+With prefix caching, the leading pages a sequence shares (held by another table, or taken from the
+prefix cache: `BlockManager.protected_slots`) are protected: the policy keeps them and its budget
+applies to the rest, so they stay in place, shared. Pages a sequence computed itself are compressed
+as without caching: the allocator copies their survivors into fresh pages and leaves the cached
+originals findable. The block manager stops registering a sequence once it was compacted.
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ class Compressor:
             if seq.num_computed_tokens > prompt_end:  # a decode (or continuation) step
                 self._decode_steps[seq.seq_id] = self._decode_steps.get(seq.seq_id, 0) + 1
             if w and queries:
-                if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
+                if seq.num_computed_tokens - n == self.bm.num_hit_tokens(seq):  # a first chunk (also after a
+                    # preemption, or after a prefix-cache hit): start afresh
                     self._queries.pop(seq.seq_id, None)
                 elif self.policy.when == "chunk" and seq.num_computed_tokens - n < prompt_end:
                     self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
@@ -135,11 +142,13 @@ class Compressor:
                 continue
             g = groups[0]
             keys, values = self.gather(seq, g, layer)
-            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer))
+            protected = self.bm.protected_slots(seq, g)
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer),
+                                      **_protect(protected))
             if keep is None:
                 continue
             if keep and isinstance(keep[0], list):  # a kept list per KV head
-                self._compact_per_head(seq, g, keep)
+                self._compact_per_head(seq, g, keep, protected)
             else:
                 self.cache.move_slots(self.bm.compact(seq, g, keep))
             if layer in mass:  # the running totals follow their keys
@@ -158,25 +167,30 @@ class Compressor:
             raise RuntimeError(f"layer {layer}: KV heads hold different numbers of tokens "
                                f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
         keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
-        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None)
+        protected = min(self.bm.protected_slots(seq, g) for g in groups)
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None, **_protect(protected))
         if keep is None:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
         for g, kept in zip(groups, per_head):
             self.cache.move_slots(self.bm.compact(seq, g, kept))
 
-    def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]]) -> None:
+    def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]], protected: int = 0) -> None:
         """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many
-        slots (the pages after them are freed) and head h's survivors move into them, in order."""
+        slots (the pages after them are freed) and head h's survivors move into them, in order. The first
+        `protected` indices (every head keeps them in place) are not moved."""
         n, m = self.bm.cached_lens([seq], group)[0], len(keep[0])
         if any(len(k) != m for k in keep):
             raise ValueError(f"{type(self.policy).__name__}.select kept {[len(k) for k in keep]} tokens per KV head: "
                              f"a layer's heads must keep as many (per-head budgets need head_budgets = True)")
         device = self.cache.k(self.bm.groups[group].layers[0]).device
         old = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=device)  # [n]
-        self.bm.compact(seq, group, list(range(m)))  # its moves are superseded by the per-head ones below
-        new = torch.tensor(self.bm.slot_ids(seq, group, 0, m), dtype=torch.long, device=device)  # [m]
-        self.cache.move_head_slots(old[torch.tensor(keep, dtype=torch.long, device=device)], new)
+        # the table's new layout: its pages up to `protected` stay as they are, every later one is written
+        # (an index shifted by one there tells the allocator so); the moves are the per-head ones below
+        self.bm.compact(seq, group, list(range(protected)) + list(range(protected + 1, m + 1)))
+        new = torch.tensor(self.bm.slot_ids(seq, group, protected, m), dtype=torch.long, device=device)  # [m - p]
+        src = old[torch.tensor(keep, dtype=torch.long, device=device)[:, protected:]]  # [Hkv, m - p]
+        self.cache.move_head_slots(src, new)
 
     def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""
@@ -188,3 +202,9 @@ class Compressor:
         self._decode_steps.pop(seq.seq_id, None)
         self._queries.pop(seq.seq_id, None)
         self._mass.pop(seq.seq_id, None)
+
+
+def _protect(protected: int) -> dict:
+    """select()'s `protected` keyword, passed only when some pages are shared (prefix caching), so policies
+    and wrappers written before it keep working without prefix caching."""
+    return {"protected": protected} if protected else {}

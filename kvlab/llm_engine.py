@@ -10,6 +10,7 @@ sliding-window attention), and wires the plugins named in the config
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import time
@@ -172,6 +173,8 @@ class LLMEngine:
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
             self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
                                                 dtype, config.device)
+        if self.policy.compresses:  # a prefix hit leaves the policy's observation window to compute
+            self.block_manager.recompute_tail = self.policy.query_window
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
@@ -200,9 +203,14 @@ class LLMEngine:
 
     def _check_prefix_caching(self, config: EngineConfig) -> None:
         """Prefix caching with a feature it does not support yet: a clear error before the model loads."""
-        if self.policy.compresses:
-            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: a "
-                             f"compressing policy rewrites pages that other requests share; use policy='full'")
+        if self.policy.compresses and self.policy.needs_attention_stats:
+            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: it ranks "
+                             f"keys by the attention every query paid them, and a prefix hit skips the queries of "
+                             f"the tokens it reuses; use a policy without accumulated attention statistics")
+        if self.policy.compresses and "protected" not in inspect.signature(self.policy.select).parameters:
+            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: its select() "
+                             f"takes no `protected` argument (the leading cache indices in shared pages, which it "
+                             f"must keep); see kvlab.policies.base.Policy.select")
         if getattr(self.quant, "residual", 0):
             raise ValueError(f"enable_prefix_caching with quant {config.quant!r} and a residual window "
                              f"(residual={self.quant.residual}) is not supported yet: a shared page would be read "

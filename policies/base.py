@@ -97,11 +97,12 @@ class Policy(ABC):
             return min(num_tokens, self.budget)
         return min(num_tokens, max(1, int(num_tokens * (1.0 - (self.compression_ratio or 0.0)))))
 
-    def num_kept(self, layer_idx: int, num_layers: int, num_cached: int) -> int:
-        """Tokens one layer keeps now, holding `num_cached`: the budget of the whole sequence so far
-        (`begin`'s seq_len; `num_cached` if never called), never more than it caches."""
+    def num_kept(self, layer_idx: int, num_layers: int, num_cached: int, protected: int = 0) -> int:
+        """Unprotected tokens one layer keeps now, holding `num_cached` of which the first `protected` are
+        shared (kept apart): the budget of the whole sequence so far less its protected tokens (`begin`'s
+        seq_len; `num_cached` if never called), never more than it caches."""
         seq_len = max(self._seq_len or 0, num_cached)
-        return min(num_cached, self.layer_budget(layer_idx, num_layers, seq_len))
+        return min(num_cached - protected, self.layer_budget(layer_idx, num_layers, seq_len - protected))
 
     # -- the hooks ---------------------------------------------------------------
     @abstractmethod
@@ -116,17 +117,20 @@ class Policy(ABC):
         """Importance of every cached token per KV head."""
 
     def select(self, layer_idx: int, num_layers: int, keys: torch.Tensor, values: torch.Tensor,
-               queries: torch.Tensor | None, attn_stats: torch.Tensor | None) -> Kept:
+               queries: torch.Tensor | None, attn_stats: torch.Tensor | None, protected: int = 0) -> Kept:
         """The cache indices one layer keeps: None (all), one sorted list shared by the KV heads, or one
-        sorted list per KV head, all of one length (default: top-k of the scores, per head or summed)."""
+        sorted list per KV head, all of one length (default: top-k of the scores, per head or summed).
+
+        `protected`: the first `protected` cache indices sit in pages other owners share (prefix caching):
+        they are kept, and the budget applies to the rest (scores still see every key)."""
         n = keys.shape[0]
-        keep = self.num_kept(layer_idx, num_layers, n)
-        if keep >= n:
+        keep = self.num_kept(layer_idx, num_layers, n, protected)
+        if keep >= n - protected:
             return None
         scores = self.score(layer_idx, keys, values, queries, attn_stats)  # [L, Hkv]
         if scores is None:
             return None
-        return self.choose(scores, keep)
+        return with_protected(self.choose(scores[protected:], keep), protected)
 
     def choose(self, scores: torch.Tensor, keep: int) -> list[int] | list[list[int]]:
         """From scores [L, Hkv], the cache indices kept with a budget of `keep` per KV head (default: top-k
@@ -146,6 +150,16 @@ def top_k(scores: torch.Tensor, keep: int, per_head: bool) -> list[int] | list[l
         return sorted(scores.sum(dim=-1).topk(keep).indices.tolist())
     heads = scores.T.contiguous().topk(keep, dim=-1).indices.sort(dim=-1).values.tolist()  # [Hkv][keep]
     return heads[0] if all(h == heads[0] for h in heads[1:]) else heads
+
+
+def with_protected(kept: list[int] | list[list[int]], protected: int) -> list[int] | list[list[int]]:
+    """Indices chosen among cache indices protected.. (counted from `protected`) as whole-cache indices,
+    after the protected ones 0 .. protected - 1 (per KV head when `kept` is a list per head)."""
+    if not protected:
+        return kept
+    if kept and isinstance(kept[0], list):
+        return [with_protected(head, protected) for head in kept]
+    return list(range(protected)) + [protected + i for i in kept]
 
 
 POLICIES.base = Policy

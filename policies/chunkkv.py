@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvlab.policies.base import with_protected
 from kvlab.policies.snapkv import SnapKV, snap_scores
 from kvlab.registry import POLICIES
 
@@ -33,15 +34,16 @@ class ChunkKV(SnapKV):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
-    def select(self, layer_idx, num_layers, keys, values, queries, attn_stats):
+    def select(self, layer_idx, num_layers, keys, values, queries, attn_stats, protected=0):
         n = keys.shape[0]
-        keep = self.num_kept(layer_idx, num_layers, n)
-        if keep >= n:
+        keep = self.num_kept(layer_idx, num_layers, n, protected)
+        if keep >= n - protected:
             return None
         first = layer_idx - layer_idx % self.reuse_layers
-        if self._chosen is not None and self._chosen[:2] == (first, n) and layer_idx != first:
+        if self._chosen is not None and self._chosen[:2] == (first, (n, protected)) and layer_idx != first:
             return self._chosen[2]  # the engine compresses a sequence's layers in order: the run's first chose
-        token = snap_scores(queries, keys, self.kernel_size).sum(dim=-1)  # [L]; the window scores highest
+        token = snap_scores(queries, keys, self.kernel_size).sum(dim=-1)[protected:]  # [L - protected]
+        n -= protected  # chunks are cut after the protected tokens (kept whole: prefix caching)
         pad = (-n) % self.chunk_size
         chunk = token.new_zeros(n + pad)
         chunk[:n] = token
@@ -52,6 +54,6 @@ class ChunkKV(SnapKV):
             kept.extend(span[: keep - len(kept)])
             if len(kept) == keep:
                 break
-        kept = sorted(kept)
-        self._chosen = (first, n, kept) if layer_idx == first else None
+        kept = with_protected(sorted(kept), protected)
+        self._chosen = (first, (n + protected, protected), kept) if layer_idx == first else None
         return kept

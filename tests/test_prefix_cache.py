@@ -1,11 +1,13 @@
 """Prefix caching, torch-free: the hashed page index, the paged allocator's cached-free pages, the block
 manager's sharing (full and sliding-window groups), eviction policies, and a property-based run over
-random allocate / append / fork / free sequences that hit and evict.
+random allocate / append / fork / free sequences that hit and evict, with and without a compressing
+policy's compactions in the mix.
 
 The property test keeps a shadow of every page's contents: a slot written for token i of a sequence
 holds that sequence's tokens[: i + 1] (what its KV depends on). Every slot a live sequence can still
 attend to must hold its own prefix, so a stale hit (a page reused for other content), a false hit
-(a colliding hash), or a write seen through a shared page (copy-on-write broken) all fail it.
+(a colliding hash), or a write seen through a shared page (copy-on-write broken) all fail it. After a
+compaction a table's cache index i holds the token the policy kept there (`Shadow.positions`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Shadow:
         self.live: list[Sequence] = []
         self.next_id = 0
         self.hits = 0
+        self.positions: dict[int, list[int]] = {}  # compacted table -> token index held at each cache index
 
     def new_seq(self, tokens, salt=None) -> Sequence:
         seq = Sequence(self.next_id, tokens, SamplingParams(max_tokens=16, cache_salt=salt), len(tokens) + 16, 0.0)
@@ -83,6 +86,8 @@ class Shadow:
             cached = self.bm.allocator.num_tokens(self.bm.key(seq, g))
             for i, slot in zip(range(start, start + n), self.bm.slot_ids(seq, g, cached - n, cached)):
                 self.content.setdefault(slot // bs, [None] * bs)[slot % bs] = tuple(seq.token_ids[: i + 1])
+            if self.bm.key(seq, g) in self.positions:
+                self.positions[self.bm.key(seq, g)] += list(range(start, start + n))
         seq.num_computed_tokens += n
         self.bm.commit(seq)
         self.bm.release_out_of_window(seq)
@@ -91,11 +96,39 @@ class Shadow:
         child = self.new_seq(seq.token_ids)
         child.num_computed_tokens = seq.num_computed_tokens
         self.bm.fork(seq, child)
+        for g in range(len(self.bm.groups)):
+            if self.bm.key(seq, g) in self.positions:
+                self.positions[self.bm.key(child, g)] = list(self.positions[self.bm.key(seq, g)])
         self.live.append(child)
         return child
 
+    def compact(self, seq: Sequence, drop: list[int]) -> None:
+        """What the compressor does with a policy's choice: in every full-attention group keep the protected
+        cache indices and drop the `drop`-th (modulo) of the others; no write may reach a shared or cached page."""
+        bm, a, bs = self.bm, self.bm.allocator, self.bm.block_size
+        for g in bm.full_groups:
+            key, protected = bm.key(seq, g), bm.protected_slots(seq, g)
+            n, table = a.num_tokens(key), list(a.block_table(key))
+            held = {p for p in table if a.num_owners(p) > 1 or bm.prefix_cache.is_registered(p)}
+            rest = list(range(protected, n))
+            gone = {rest[d % len(rest)] for d in drop} if rest else set()
+            keep = [i for i in range(n) if i not in gone]
+            if len(keep) == n:
+                continue
+            moves = bm.compact(seq, g, keep)
+            assert a.block_table(key)[: protected // bs] == table[: protected // bs]  # shared pages stay in place
+            values = [self.content[src // bs][src % bs] for src, _ in moves]  # every read before any write
+            for (_, dst), value in zip(moves, values):
+                assert dst // bs not in held and a.num_owners(dst // bs) == 1
+                assert not bm.prefix_cache.is_registered(dst // bs)
+                self.content.setdefault(dst // bs, [None] * bs)[dst % bs] = value
+            old = self.positions.get(key, list(range(n)))
+            self.positions[key] = [old[j] for j in keep]
+
     def free(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        for g in range(len(self.bm.groups)):
+            self.positions.pop(self.bm.key(seq, g), None)
         self.live.remove(seq)
 
     # -- invariants --------------------------------------------------------------
@@ -118,6 +151,10 @@ class Shadow:
         for seq in self.live:  # every slot a sequence can still read holds its own prefix
             for g, group in enumerate(bm.groups):
                 table = a.block_table(bm.key(seq, g))
+                if bm.key(seq, g) in self.positions:  # compacted: cache index i holds token positions[i]
+                    for i, pos in enumerate(self.positions[bm.key(seq, g)]):
+                        assert self.content[table[i // bs]][i % bs] == tuple(seq.token_ids[: pos + 1]), (seq, g, i)
+                    continue
                 lo = 0 if group.sliding_window is None else max(0, seq.num_computed_tokens - group.sliding_window + 1)
                 for i in range(lo, seq.num_computed_tokens):
                     page = table[i // bs]
@@ -181,6 +218,64 @@ def test_random_operations_keep_pages_and_contents_consistent(eviction, match, h
         shadow.free(seq)
     shadow.check()
     assert shadow.bm.allocator.num_free_blocks == shadow.bm.num_blocks
+
+
+compact_op = st.tuples(st.just("compact"), st.integers(0, 99), st.lists(st.integers(0, 20), min_size=1, max_size=6))
+
+
+@pytest.mark.parametrize("match", ["page", "token", "radix"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(op, compact_op), max_size=40), tail=st.integers(0, 3))
+def test_random_operations_with_compactions_keep_pages_and_contents_consistent(match, ops, tail):
+    """A compressing policy's compactions mixed in (the protected pages kept, any other tokens dropped):
+    reference counts, no leak, no write into a shared or cached page, every cached page still holding
+    its block, every sequence reading the tokens its policy kept."""
+    shadow = Shadow(make_manager(GROUPS, num_blocks=14, match="token" if match == "token" else "page",
+                                 block_size=4, radix=match == "radix"))
+    shadow.bm.recompute_tail = tail  # a policy's observation window: hits stop before it
+    for kind, *args in ops:
+        if kind == "add":
+            t, length, extra, chunk = args
+            seq = shadow.new_seq(TEMPLATES[t][:length] + extra)
+            if shadow.admit(seq, chunk):
+                assert seq.num_computed_tokens - min(chunk, seq.num_tokens) <= max(0, seq.num_tokens - tail)
+        elif shadow.live:
+            seq = shadow.live[args[0] % len(shadow.live)]
+            if kind == "step":
+                shadow.step(seq, args[1], args[2])
+            elif kind == "compact":
+                shadow.compact(seq, args[1])
+            elif kind == "fork" and seq.num_uncomputed_tokens == 0:
+                child = shadow.fork(seq)
+                if shadow.step(child, 1, args[2]) and seq in shadow.live:
+                    shadow.step(seq, 1, args[1])
+            elif kind == "free":
+                shadow.free(seq)
+        shadow.check()
+    for seq in list(shadow.live):
+        shadow.free(seq)
+    shadow.check()
+    assert shadow.bm.allocator.num_free_blocks == shadow.bm.num_blocks
+
+
+def test_a_compacted_sequence_registers_nothing_more_and_its_cached_pages_survive():
+    shadow = Shadow(make_manager([LayerGroup((0,))], num_blocks=16, block_size=2))
+    first = shadow.new_seq([1, 2, 3, 4, 5, 6, 7])
+    shadow.admit(first, 8)  # registers [1 2] [3 4] [5 6]
+    cached = dict(shadow.bm.prefix_cache.page_node)
+    shadow.compact(first, [0, 2])  # drops tokens 1 and 3: every page is written, so each is copied out first
+    assert shadow.bm.protected_slots(first, 0) == 0 and shadow.bm.prefix_cache.page_node == cached
+    for token in (8, 9, 10):
+        shadow.step(first, 1, token)
+    assert shadow.bm.prefix_cache.page_node == cached  # nothing registered after the compaction
+    shadow.check()
+    second = shadow.new_seq([1, 2, 3, 4, 5, 6, 9, 9])
+    shadow.admit(second, 8)
+    assert second.num_computed_tokens - 2 == 6  # the three cached pages, still holding their blocks
+    assert shadow.bm.protected_slots(second, 0) == 6
+    shadow.compact(second, [0])  # the hit pages are protected: the policy drops token 6 (the first after them)
+    assert shadow.positions[shadow.bm.key(second, 0)] == [0, 1, 2, 3, 4, 5, 7]
+    shadow.check()
 
 
 def test_copy_on_write_keeps_a_forks_writes_private():

@@ -86,6 +86,10 @@ class PagedAllocator(Allocator):
         (a cached page used only in part by a token-granularity hit)."""
         return self.ref_counts[block] > 1 or (self.prefix_cache is not None and self.prefix_cache.is_registered(block))
 
+    def num_owners(self, page: int) -> int:
+        """Tables holding `page` (its reference count)."""
+        return self.ref_counts[page]
+
     def is_parked(self, page: int) -> bool:
         """A registered page that no table holds (taking it back uses up a free page)."""
         return self.ref_counts[page] == 0
@@ -186,23 +190,33 @@ class PagedAllocator(Allocator):
         return released
 
     def compact(self, seq_id: int, keep: list[int]) -> list[tuple[int, int]]:
+        """Keep cache indices `keep`, moved to the front. A destination block is written only if this table
+        holds it alone and the prefix cache does not (`_shared`); a released, shared or cached one is
+        replaced by a fresh block, unless compaction leaves it as it is (every slot of it keeps its own
+        index: e.g. a protected shared prefix). Blocks are released before fresh ones are taken (the
+        moves read every source before writing: a block released and taken again is safe)."""
         self._check_keep(seq_id, keep)
         table, bs = self.tables[seq_id], self.block_size
         old = list(table)
         n_blocks = self.blocks_for(len(keep))
-        # destination blocks must be owned alone: a released or shared one is replaced by a fresh block
-        fresh = [i for i in range(n_blocks) if old[i] == NULL_BLOCK or self.ref_counts[old[i]] > 1]
-        if len(fresh) > self.num_free_blocks:
+        fresh = [i for i in range(n_blocks)
+                 if old[i] == NULL_BLOCK or (self._shared(old[i]) and not self._unchanged(i, keep))]
+        dropped = [old[i] for i in fresh if old[i] != NULL_BLOCK] + [b for b in old[n_blocks:] if b != NULL_BLOCK]
+        if len(fresh) > self.num_free_blocks + sum(1 for b in dropped if self.ref_counts[b] == 1):
             raise OutOfBlocks(f"compacting sequence {seq_id} needs {len(fresh)} free blocks")
+        del table[n_blocks:]
+        parked: list[int] = []
+        for block in dropped:
+            self._release(block, parked)  # a cached one stays findable (parked) with its contents
+        if parked:
+            self.prefix_cache.park(parked)
         for i in fresh:
-            if old[i] != NULL_BLOCK:
-                self._release(old[i])  # still shared: the other owners keep its contents
             table[i] = self._take()
         moves = [(old[j // bs] * bs + j % bs, table[i // bs] * bs + i % bs) for i, j in enumerate(keep)]
-        moves = [(s, d) for s, d in moves if s != d]
-        while len(table) > n_blocks:
-            block = table.pop()
-            if block != NULL_BLOCK:
-                self._release(block)
         self.lengths[seq_id] = len(keep)
-        return moves
+        return [(s, d) for s, d in moves if s != d]
+
+    def _unchanged(self, block_index: int, keep: list[int]) -> bool:
+        """Does compaction to `keep` leave table block `block_index` as it is (each slot keeps its index)?"""
+        lo, hi = block_index * self.block_size, min((block_index + 1) * self.block_size, len(keep))
+        return all(keep[j] == j for j in range(lo, hi))
