@@ -41,6 +41,9 @@ COLUMNS = [("system", "system"), ("format", "format"), ("bytes_per_token", "KV B
            ("top1_match", "top-1 match"), ("kl", "KL (nats)"), ("kl_max", "KL max"), ("seconds", "s")]
 
 
+refused: list[str] = []  # formats a system refused on this model, with its error
+
+
 def tensor_bytes(t) -> int:
     """Bytes of a tensor, looking inside tensor subclasses (quanto's packed tensors, scales, shifts)."""
     import torch
@@ -157,7 +160,7 @@ def run(args) -> list[dict]:
                       max_new_tokens=args.max_new_tokens)
     engine = dict(block_size=args.group_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
     rows = []
-
+    refused.clear()
     for system in args.systems:
         reference: list = []
         if system == "hf":
@@ -174,25 +177,32 @@ def run(args) -> list[dict]:
             return reference[0]
 
         ctx = RunContext(data_dir=default_data_dir(), reference=build_reference)
+        done = []
         for fmt in args.formats:
             log(f"{system} {fmt}")
             t0 = time.perf_counter()
             lm = build_reference() if fmt == "fp32" else make(fmt)
-            p = ppl.run(lm, ctx).metrics
+            try:
+                p = ppl.run(lm, ctx).metrics
+            except ValueError as e:  # transformers refuses QuantizedCache on a model with sliding-window layers
+                if system != "hf":
+                    raise
+                refused.append(f"Hugging Face QuantizedCache {fmt} on {args.model}: {e}")
+                continue
             a = agree.run(lm, ctx).metrics
             prompt = evenly_spaced_windows(corpus_tokens(agree.source, ctx.data_dir, get_tokenizer(lm)),
                                            args.prompt_length, 1)[0]
             held = (lm.held_bytes(prompt, args.max_new_tokens) if system == "hf"
                     else kvlab_held_bytes(lm, prompt, args.max_new_tokens))
-            rows.append({"system": "Hugging Face QuantizedCache (quanto)" if system == "hf" else "kvlab",
+            done.append({"system": "Hugging Face QuantizedCache (quanto)" if system == "hf" else "kvlab",
                          "format": fmt if system == "kvlab" or fmt != "fp32" else "fp32 (DynamicCache)",
                          "bytes_per_token": held / held_len / num_layers, "ppl": p["perplexity/ppl"],
                          "greedy_match": a["agreement/greedy_match"], "top1_match": a["agreement/top1_match"],
                          "kl": a["agreement/kl"], "kl_max": a["agreement/kl_max"],
                          "seconds": time.perf_counter() - t0})
-        fp32 = rows[-len(args.formats)]["bytes_per_token"]
-        for r in rows[-len(args.formats):]:
-            r["vs_fp32"] = r["bytes_per_token"] / fp32
+        for r in done:
+            r["vs_fp32"] = r["bytes_per_token"] / done[0]["bytes_per_token"]
+        rows += done
     return rows
 
 
@@ -210,6 +220,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
         "",
         table(rows, COLUMNS),
         "",
+        *(["Refused (no row):", "", *[f"- {r}" for r in refused], ""] if refused else []),
     ])
 
 

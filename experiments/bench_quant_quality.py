@@ -65,7 +65,8 @@ def run(args) -> list[dict]:
     formats = [(n, q, None) for n, q in chosen]
     formats += [(n, {"residual": 0}, None) for n in kivi] if args.residual_zero else []
     formats += [(n, {"residual_dtype": "bfloat16"}, None) for n in kivi] if args.residual_bf16 else []
-    formats += [(n, q, b) for b in (args.budgets if args.policy else []) for n, q in chosen]
+    with_policy = [(n, q) for n, q in chosen if n in (args.policy_formats or args.formats)]
+    formats += [(n, q, b) for b in (args.budgets if args.policy else []) for n, q in with_policy]
     rows = []
     for name, qargs, budget in formats:
         t0 = time.perf_counter()
@@ -130,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--residual-bf16", action="store_true", help="also int4 / int2 with the residual rows in bfloat16")
     p.add_argument("--policy", default=None, help="also every format x this policy at each of --budgets")
     p.add_argument("--budgets", nargs="+", type=int, default=[128, 256])
+    p.add_argument("--policy-formats", nargs="+", default=None, choices=[n for n, _ in FORMATS],
+                   help="the formats run with --policy (default: every one of --formats)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "quant_quality_smollm2"))
     return p.parse_args(argv)

@@ -43,3 +43,23 @@ def test_anchor_runs_both_systems_and_the_integer_formats_hold_fewer_bytes(tmp_p
         assert fp32["kl"] == 0.0 and fp32["greedy_match"] == 1.0  # each system against its own fp32 cache
         assert int2["bytes_per_token"] < int4["bytes_per_token"] < fp32["bytes_per_token"]
         assert all(r["ppl"] > 1 for r in (fp32, int4, int2))
+
+
+def test_a_format_hugging_face_refuses_is_reported_not_fatal(tmp_path):
+    """transformers' QuantizedCache refuses models with sliding-window layers (Gemma 3): the anchor keeps
+    the fp32 row, lists the refusal with transformers' error, and still runs kvlab's formats."""
+    pytest.importorskip("optimum.quanto", reason="optimum-quanto is installed by the `anchors` extra")
+    from bench_quant_anchor import main
+
+    out = tmp_path / "anchor"
+    main(["--model", "random:gemma3-tiny", "--group-size", "8", "--residual", "8", "--num-windows", "1",
+          "--num-prompts", "1", "--context", "48", "--continuation", "8", "--prompt-length", "48",
+          "--max-new-tokens", "4", "--formats", "fp32", "int4", "--out", str(out)])
+    import json
+
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["system"], r["format"]) for r in rows] == [
+        ("Hugging Face QuantizedCache (quanto)", "fp32 (DynamicCache)"), ("kvlab", "fp32"), ("kvlab", "int4")]
+    text = out.with_suffix(".md").read_text()
+    assert "Refused (no row):" in text and "QuantizedCache int4 on random:gemma3-tiny" in text
+    assert "sliding_attention" in text
