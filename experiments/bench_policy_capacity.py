@@ -103,9 +103,16 @@ def variants(args) -> list[tuple[str, str, dict, dict]]:
     ratio = {"compression_ratio": args.ratio}
     chunked = [(f"chunk, prefill chunk <= {c}", {"max_prefill_chunk": c}) if c else ("chunk", {})
                for c in args.max_prefill_chunk]
-    return ([("full", "full", {}, {})] + [(p, p, {**ratio, "when": "prefill"}, {}) for p in args.policies]
+    rows = ([("full", "full", {}, {})] + [(p, p, {**ratio, "when": "prefill"}, {}) for p in args.policies]
             + [(f"{p} ({label})", p, {**ratio, "when": "chunk"}, cap) for p in args.chunk_policies
                for label, cap in chunked])
+    common = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    if not args.formats:  # the engine's default cache format
+        return [(name, policy, pargs, {**common, **eng}) for name, policy, pargs, eng in rows]
+    kivi = {"residual_dtype": args.residual_dtype, "group_size": args.group_size}  # int4 / int2
+    return [(f"{name} [{fmt}]", policy, pargs,
+             {**common, **eng, "quant": fmt, "quant_args": kivi if fmt in ("int4", "int2") else {}})
+            for fmt in args.formats for name, policy, pargs, eng in rows]
 
 
 def summarise(name: str, runs: list[dict], num_requests: int) -> dict:
@@ -235,6 +242,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--formats", nargs="*", default=[],
+                   help="cache formats: every row once per format (row names say which; the first row, full in "
+                        "the first format, is the x-full baseline); none: the engine's default format")
+    p.add_argument("--group-size", type=int, default=32, help="int4 / int2 group size (divides --block-size)")
+    p.add_argument("--residual-dtype", default="compute", help="int4 / int2 residual rows' dtype (kvlab.quant.kivi)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="engine.max_num_seqs (0: the engine's default; it "
+                   "also sizes the int4 / int2 residual area)")
     p.add_argument("--replay", action="store_true",
                    help="count concurrency without running the model (the engine's scheduler and budgets; seconds)")
     p.add_argument("--out", default="experiments/results/policy_capacity")

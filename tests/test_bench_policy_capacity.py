@@ -53,3 +53,26 @@ def test_the_model_free_replay_counts_what_a_run_counts(tmp_path):
             assert rep[key] == run[key], (run["policy"], key, rep[key], run[key])
     chunked = replayed["rows"][2]
     assert chunked["max_concurrent_seqs"] > replayed["rows"][1]["max_concurrent_seqs"]
+
+
+def test_cache_formats_turn_into_concurrent_sequences_run_and_replay_alike(tmp_path):
+    """--formats: every row once per cache format at the same byte budget; smaller formats hold more
+    sequences, and the model-free replay counts what a run counts (the int4 residual area included)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        argv = ["--model", "random:llama-tiny", "--num-requests", "16", "--min-len", "200", "--max-len", "200",
+                "--max-tokens", "8", "--kv-memory", "512KiB", "--max-model-len", "256", "--policies",
+                "--formats", "fp32", "int8", "int4", "--group-size", "8", "--max-num-seqs", "16"]
+        ran = bench.main(argv + ["--out", str(tmp_path / "run")])
+        replayed = bench.main(argv + ["--replay", "--out", str(tmp_path / "replay")])
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert [r["policy"] for r in replayed["rows"]] == ["full [fp32]", "full [int8]", "full [int4]"]
+    for run, rep in zip(ran["rows"], replayed["rows"]):
+        for key in ("max_concurrent_seqs", "mean_concurrent_seqs", "preemptions", "num_steps"):
+            assert rep[key] == run[key], (run["policy"], key, rep[key], run[key])
+    fp32, int8, int4 = (r["max_concurrent_seqs"] for r in replayed["rows"])
+    assert fp32 == 4 and int8 > 2 * fp32 and int4 > fp32
