@@ -165,3 +165,19 @@ def test_features_not_supported_with_packed_formats_yet_fail_before_the_model_lo
         LLM("random:llama-tiny", policy="quest", policy_args={"budget": 64}, quant="int4", quant_args={"group_size": 8})
     with pytest.raises(ValueError, match="residual window"):
         LLM("random:llama-tiny", enable_prefix_caching=True, quant="int4", quant_args={"group_size": 8})
+
+
+@pytest.mark.parametrize("qargs", [{"group_size": 8, "residual": 16}, {"group_size": 8, "residual": 0}])
+def test_speculative_rollback_on_packed_pages(qargs):
+    """ngram speculation on int4 pages: rejected tokens are rolled back (a page sealed with tentative tokens
+    is re-encoded on its next write), and the greedy output equals plain decoding on the same format, with
+    no page left held."""
+    prompts = [list(range(5, 25)) * 4, list(range(30, 50)) * 3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    opts = dict(block_size=8, kv_cache_memory="1MiB", max_num_seqs=4, quant="int4", quant_args=qargs)
+    want = [o.token_ids for o in LLM(MODEL, **opts).generate(prompts, params)]
+    llm = LLM(MODEL, **opts, draft="ngram", draft_args={"num_tokens": 4})
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert 0 < llm.stats()["spec_acceptance_rate"] < 1  # some drafts were rejected and rolled back
+    assert llm.engine.block_manager.num_used_blocks() == 0
