@@ -13,12 +13,18 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_policy_capacity.py"
 
 
+def load_bench():
+    """The benchmark script as a module (its folder must be on sys.path for its own imports)."""
+    spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_compression_turns_into_concurrent_sequences(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
+        bench = load_bench()
         results = bench.main(["--model", "random:llama-tiny", "--num-requests", "8", "--min-len", "200",
                               "--max-len", "200", "--max-tokens", "8", "--kv-memory", "512KiB",
                               "--max-model-len", "256", "--policies", "snapkv", "knorm", "--out", str(tmp_path / "cap")])
@@ -37,9 +43,7 @@ def test_the_model_free_replay_counts_what_a_run_counts(tmp_path):
     steps equal a run's, for the full cache, compression at the end of prefill and per chunk with a cap."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
+        bench = load_bench()
         argv = ["--model", "random:llama-tiny", "--num-requests", "20", "--min-len", "200", "--max-len", "200",
                 "--max-tokens", "8", "--kv-memory", "512KiB", "--max-model-len", "256", "--max-batched-tokens", "256",
                 "--policies", "snapkv", "--chunk-policies", "snapkv", "--max-prefill-chunk", "32"]
@@ -60,9 +64,7 @@ def test_cache_formats_turn_into_concurrent_sequences_run_and_replay_alike(tmp_p
     sequences, and the model-free replay counts what a run counts (the int4 residual area included)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench_policy_capacity", SCRIPT)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
+        bench = load_bench()
         argv = ["--model", "random:llama-tiny", "--num-requests", "16", "--min-len", "200", "--max-len", "200",
                 "--max-tokens", "8", "--kv-memory", "512KiB", "--max-model-len", "256", "--policies",
                 "--formats", "fp32", "int8", "int4", "--group-size", "8", "--max-num-seqs", "16"]
