@@ -12,6 +12,13 @@ survives from an earlier round); tables show medians. Greedy outputs must not de
 
     nice -n 10 python experiments/bench_multiturn_prefix.py            # a few minutes on 2 quiet cores
     python experiments/bench_multiturn_prefix.py --conversations 2 --turns 2 --repeats 1 --out /tmp/multiturn
+    python experiments/bench_multiturn_prefix.py --quant int4 --quant-args '{"residual": 32}' \
+        --out experiments/results/multiturn_prefix_smollm2_int4      # every variant on KIVI int4 pages
+
+With a residual window (int4 / int2) a prompt's K/V depend on its prefill chunks (what each chunk reads
+open or sealed, docs/design.md "Prefix caching with a residual window"): a turn that hits the previous
+turn's pages reads the prefix as that turn computed it, so its greedy tokens may differ from caching
+off; the report counts the turns whose tokens are identical.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ def measure(loaded, tokens: list[int], variant: str, args) -> dict:
     from kvlab.workloads.replay import Request, replay
 
     llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=args.block_size, kv_cache_memory=args.kv_memory,
-              max_num_batched_tokens=args.max_num_batched_tokens, **VARIANTS[variant])
+              max_num_batched_tokens=args.max_num_batched_tokens, quant=args.quant, quant_args=args.quant_args,
+              **VARIANTS[variant])
     rng = random.Random(args.seed)  # the same user messages for every variant
 
     def cut() -> list[int]:
@@ -77,14 +85,15 @@ def main(argv=None) -> dict:
     import torch
 
     from kvlab.models import load_model
-    from kvlab.tasks.data import corpus_tokens
+    from kvlab.tasks.data import ByteTokenizer, corpus_tokens
     from kvlab.workloads.azure import DEFAULT_CORPUS
 
     if args.threads:
         torch.set_num_threads(args.threads)
     meta = metadata(args)
     loaded = load_model(args.model)
-    tokens = corpus_tokens(DEFAULT_CORPUS, None, loaded.tokenizer)
+    tokenizer = loaded.tokenizer or ByteTokenizer(loaded.model.config.vocab_size)  # random: models have none
+    tokens = corpus_tokens(DEFAULT_CORPUS, None, tokenizer)
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for r in range(args.repeats):
@@ -99,8 +108,11 @@ def main(argv=None) -> dict:
                            for k in ("tokens_per_s", "busy_s", "wall_s", "cpu_s", "computed_prompt_tokens")}
               for a, b in (("hash", "off"), ("radix", "off"), ("radix", "hash"))}
     same = all(x["answers"] == runs["off"][0]["answers"] for rs in runs.values() for x in rs)
+    reference = runs["off"][0]["answers"]
+    turns_same = {name: (sum(x["answers"][t] == reference[t] for x in rs for t in reference),
+                         sum(len(reference) for _ in rs)) for name, rs in runs.items()}
     meta["load_end"] = load_average()
-    results = {"rows": rows, "ratios": ratios, "same_greedy_tokens": same,
+    results = {"rows": rows, "ratios": ratios, "same_greedy_tokens": same, "turns_same_as_off": turns_same,
                "runs": {n: [{k: v for k, v in x.items() if k != "answers"} for x in rs] for n, rs in runs.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,11 +141,14 @@ def report(results: dict, meta: dict, args) -> str:
         f"{args.conversations} conversations side by side, {args.turns} turns each; a turn = the conversation so "
         f"far + a {args.user_len}-token WikiText-2 user message, arriving when the previous answer is done; "
         f"{args.max_tokens} new tokens per turn (greedy, EOS ignored). KV budget {args.kv_memory}, block "
-        f"{args.block_size}, max_num_batched_tokens {args.max_num_batched_tokens}, float32. Medians of "
+        f"{args.block_size}, max_num_batched_tokens {args.max_num_batched_tokens}, float32 model, cache format "
+        f"{args.quant} {json.dumps(args.quant_args) if args.quant_args else ''}. Medians of "
         f"{args.repeats} runs per variant, alternating, fresh engine each run (one model load).", "",
         table(results["rows"], COLUMNS), "", *ratio_lines,
         f"Greedy outputs identical for every variant (every turn, every run): "
         f"{'yes' if results['same_greedy_tokens'] else 'NO'}  ",
+        "Turns whose greedy tokens equal caching off's (first run): " + ", ".join(
+            f"{n} {a}/{b}" for n, (a, b) in results["turns_same_as_off"].items()) + "  ",
         f"Per run: {per_run}", ""])
 
 
@@ -150,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", default="auto", help="cache format of every variant (kvlab.quant), e.g. int4")
+    p.add_argument("--quant-args", type=json.loads, default={}, help='the format\'s arguments as JSON, e.g. \'{"residual": 32}\'')
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "multiturn_prefix_smollm2"))
     return p.parse_args(argv)
 

@@ -7,6 +7,7 @@
 # perplexity, RULER, and a batch of 16 Azure code-trace requests (KV bytes held, tokens/s). Finished jobs are
 # skipped on a rerun (skip_existing), so an interrupted leaderboard resumes where it stopped.
 # Sizes can be changed through the environment (AGREEMENT, PERPLEXITY, RULER: extra overrides per sweep).
+# Each sweep runs the `full` reference once (it ignores the ratio), then the other policies x 4 ratios.
 set -uo pipefail
 MODEL=${1:-smollm2-135m}
 PHASE=${2:-all}
@@ -17,14 +18,19 @@ AGREEMENT=${AGREEMENT:-"task.prompt_length=512 task.num_prompts=4"}
 PERPLEXITY=${PERPLEXITY:-"task.context_lengths=[512] task.num_windows=8"}
 RULER=${RULER:-"task.lengths=[1024] task.num_samples=2"}
 
+sweep() {  # one sweep: the full reference, then every other policy at every ratio
+    $PY -m kvlab -m $COMMON "$@" policy=full policy.compression_ratio=0 || status=1
+    $PY -m kvlab -m $COMMON "$@" || status=1
+}
+
 status=0  # a failed job fails its sweep (exit 1) after the sweep's other jobs ran; the table shows what finished
 if [ "$PHASE" != throughput ]; then
-    $PY -m kvlab -m $COMMON task=agreement $AGREEMENT workload=none || status=1
-    $PY -m kvlab -m $COMMON task=perplexity $PERPLEXITY workload=none || status=1
-    $PY -m kvlab -m $COMMON task=ruler $RULER workload=none || status=1
+    sweep task=agreement $AGREEMENT workload=none
+    sweep task=perplexity $PERPLEXITY workload=none
+    sweep task=ruler $RULER workload=none
 fi
 if [ "$PHASE" != quality ]; then
-    $PY -m kvlab -m $COMMON task=none || status=1
+    sweep task=none
 fi
 $PY -m kvlab.report multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
 exit $status

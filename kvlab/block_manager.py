@@ -89,6 +89,9 @@ class BlockManager:
         self._match: tuple[int, int, list[Node]] | None = None  # (seq id, hit tokens, nodes) of the last lookup
         # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
         self.recompute_tail = 0
+        # a quantised format with a residual window: (page, no sequence holds it) -> whether a hit may
+        # share the page (not while it is open in another sequence's window); None: every cached page
+        self.shareable: Callable[[int, bool], bool] | None = None
         self._hits: dict[int, tuple[int, set]] = {}  # seq id -> (hit tokens, {(group, page)} taken from the cache)
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
 
@@ -163,8 +166,12 @@ class BlockManager:
         k = len(nodes)
         for g in self.full_groups:  # a full-attention group needs every page before the hit
             k = next((i for i in range(k) if g not in nodes[i].pages), k)
+        if self.shareable is not None:  # a page open in another sequence's window is not shared
+            k = next((i for i in range(k) if not all(self.shareable(p, self.allocator.num_owners(p) == 0)
+                                                     for p in nodes[i].pages.values())), k)
         hit = 0
-        if self.prefix_match == "token" and k == len(nodes) and last > k * bs:
+        partial = self.prefix_match == "token" and self.shareable is None  # a partial page would be reopened
+        if partial and k == len(nodes) and last > k * bs:
             child, j = self.prefix_cache.partial_match(nodes[-1] if nodes else None,
                                                        seq.token_ids[k * bs:min(last, (k + 1) * bs)], salt)
             if j and all(self._has_pages(g, nodes + [child], k * bs + j) for g in range(len(self.groups))):

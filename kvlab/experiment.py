@@ -172,7 +172,8 @@ def execute(config: dict, loggers: Loggers) -> dict:
             reference_llm.append(llm if same else build_llm(reference_kwargs(kwargs)))
         return reference_llm[0]
 
-    ctx = RunContext(resolve_data_dir(config["data_dir"]), config["seed"], config["progress"], reference)
+    ctx = RunContext(resolve_data_dir(config["data_dir"]), config["seed"], config["progress"], reference,
+                     reference_key=json.dumps(reference_kwargs(kwargs), sort_keys=True, default=repr))
     for section in ("task", "workload"):
         node = config[section]
         if node is None:

@@ -150,6 +150,13 @@ class KVCache:
         for p in pages:
             self.area.seal(p)
 
+    def shareable(self, page: int, unowned: bool) -> bool:
+        """Whether a prefix hit may share `page`: a sealed page, or an open one (its K/V still in a
+        full-precision residual row) that no sequence holds. The new request's own window rule seals
+        such a page at its first step if the page has left the window by then (kvlab.attention.plan_step),
+        as its own prefill would have; an open page another sequence holds would be sealed under it."""
+        return unowned or self.area is None or self.area.row(page) < 0
+
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
               head: int | None = None) -> None:
         """key/value [T, Hkv, D] -> their slots in `layer`'s pool (`head`: only that KV head's, into pages

@@ -175,6 +175,11 @@ class LLMEngine:
                                                 dtype, config.device)
         if self.policy.compresses:  # a prefix hit leaves the policy's observation window to compute
             self.block_manager.recompute_tail = self.policy.query_window
+        if prefix_cache is not None and self.cache.area is not None:
+            # a residual window: a hit leaves the prompt's window to compute and shares no page that is
+            # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")
+            self.block_manager.recompute_tail = max(self.block_manager.recompute_tail, self.quant.residual)
+            self.block_manager.shareable = self.cache.shareable
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
@@ -211,10 +216,6 @@ class LLMEngine:
             raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: its select() "
                              f"takes no `protected` argument (the leading cache indices in shared pages, which it "
                              f"must keep); see kvlab.policies.base.Policy.select")
-        if getattr(self.quant, "residual", 0):
-            raise ValueError(f"enable_prefix_caching with quant {config.quant!r} and a residual window "
-                             f"(residual={self.quant.residual}) is not supported yet: a shared page would be read "
-                             f"quantised by one request and in full precision by another; use residual=0")
         if not hasattr(ALLOCATORS.get(config.allocator), "allocate_cached"):
             raise ValueError(f"enable_prefix_caching with allocator {config.allocator!r} is not supported yet; "
                              f"use allocator='paged'")

@@ -163,8 +163,6 @@ def test_smollm2_generates_with_each_format(load_reference):
 def test_features_not_supported_with_packed_formats_yet_fail_before_the_model_loads():
     with pytest.raises(ValueError, match="packed formats do not keep yet"):
         LLM("random:llama-tiny", policy="quest", policy_args={"budget": 64}, quant="int4", quant_args={"group_size": 8})
-    with pytest.raises(ValueError, match="residual window"):
-        LLM("random:llama-tiny", enable_prefix_caching=True, quant="int4", quant_args={"group_size": 8})
 
 
 @pytest.mark.parametrize("qargs", [{"group_size": 8, "residual": 16}, {"group_size": 8, "residual": 0}])

@@ -10,6 +10,11 @@ average:
   - kl:           KL(reference || test) of the next-token distributions, teacher-forced,
                   in nats, mean (and max) over positions.
 Works even for random tiny models: it measures the cache, not the model.
+
+The reference's outputs are kept for the next run in the same process (a Hydra sweep runs its
+jobs in one process): when the reference settings (`RunContext.reference_key`), the prompts and
+`max_new_tokens` are the same, the reference is neither built nor run again. A leaderboard sweep
+of 48 cells computes its reference once instead of 48 times.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import ClassVar
 from kvlab.tasks.base import Result, RunContext, Task, check_positive
 from kvlab.tasks.data import corpus_tokens, evenly_spaced_windows, get_tokenizer
 from kvlab.tasks.perplexity import check_fits
+
+_REFERENCE_MEMO: dict = {}  # {key: (greedy token ids, teacher-forced log-prob rows)}; the last key only
 
 
 @dataclass
@@ -41,23 +48,33 @@ class Agreement(Task):
         from kvlab import SamplingParams
 
         check_fits(llm, self.prompt_length + self.max_new_tokens, "prompt_length + max_new_tokens")
-        reference = ctx.reference() if ctx.reference is not None else llm
         tokens = corpus_tokens(self.source, ctx.data_dir, get_tokenizer(llm))
         prompts = evenly_spaced_windows(tokens, self.prompt_length, self.num_prompts)
         params = SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0, ignore_eos=True)
-        ref_out = reference.generate(prompts, params)
+        continuations, ref_dists = self.reference_outputs(llm, ctx, prompts, params)
         test_out = llm.generate(prompts, params)
-        continuations = [list(o.token_ids) for o in ref_out]
-        ref_scores = reference.score(prompts, continuations, return_dists=True)
         test_scores = llm.score(prompts, continuations, return_dists=True)
-        rows = [compare(i, ref.token_ids, test.token_ids, cont, rs.dists, ts.dists, self.max_new_tokens)
-                for i, (ref, test, cont, rs, ts) in enumerate(zip(ref_out, test_out, continuations,
-                                                                  ref_scores, test_scores))]
+        rows = [compare(i, cont, test.token_ids, cont, rd, ts.dists, self.max_new_tokens)
+                for i, (test, cont, rd, ts) in enumerate(zip(test_out, continuations, ref_dists, test_scores))]
         table = pd.DataFrame(rows)
         metrics = {f"agreement/{k}": float(table[k].mean())
                    for k in ("greedy_match", "prefix_match", "top1_match", "kl")}
         metrics["agreement/kl_max"] = float(table["kl_max"].max())
         return Result(metrics, {"agreement": table})
+
+    def reference_outputs(self, llm, ctx: RunContext, prompts, params) -> tuple[list, list]:
+        """The reference's greedy continuations and their teacher-forced log-prob rows (memoised)."""
+        key = None if ctx.reference_key is None else (ctx.reference_key, tuple(map(tuple, prompts)),
+                                                      self.max_new_tokens)
+        if key is not None and key in _REFERENCE_MEMO:
+            return _REFERENCE_MEMO[key]
+        reference = ctx.reference() if ctx.reference is not None else llm
+        continuations = [list(o.token_ids) for o in reference.generate(prompts, params)]
+        dists = [s.dists for s in reference.score(prompts, continuations, return_dists=True)]
+        if key is not None:
+            _REFERENCE_MEMO.clear()
+            _REFERENCE_MEMO[key] = (continuations, dists)
+        return continuations, dists
 
 
 def compare(index, ref_ids, test_ids, continuation, ref_dists, test_dists, max_new_tokens) -> dict:

@@ -23,6 +23,8 @@ class RunContext:
     seed: int = 0                                       # seeds data sampling
     progress: bool = False                              # show progress bars
     reference: Callable[[], Any] | None = None          # builds (once) the full-cache reference LLM
+    reference_key: str | None = None                    # identifies the reference's settings: a task may reuse
+                                                        # what the reference computed in an earlier run of a sweep
 
 
 @dataclass

@@ -158,6 +158,33 @@ def test_agreement_sees_a_lower_precision_cache(tiny_llm, ctx):
 
 
 @needs_data("wikitext-2-raw")
+def test_agreement_reuses_the_reference_of_an_earlier_run_with_the_same_key(tiny_llm, ctx):
+    """A sweep's jobs share one process: with the same reference key the reference is not built or run
+    again and the figures are those of a fresh run; another key (or none) builds it again."""
+    from dataclasses import replace
+
+    other, built = tiny(seed=1), []
+
+    def reference():
+        built.append(1)
+        return other
+
+    task = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=6)
+    first = task.run(tiny_llm, replace(ctx, reference=reference, reference_key="a"))
+    again = task.run(tiny_llm, replace(ctx, reference=reference, reference_key="a"))
+    assert len(built) == 1 and again.metrics == first.metrics
+    fresh = task.run(tiny_llm, replace(ctx, reference=reference))                  # no key: no reuse
+    assert len(built) == 2 and fresh.metrics == first.metrics
+    task.run(tiny_llm, replace(ctx, reference=lambda: tiny_llm, reference_key="b"))  # another key: recomputed
+    assert len(built) == 2
+    assert task.run(tiny_llm, replace(ctx, reference=reference, reference_key="a")).metrics == first.metrics
+    assert len(built) == 3                                                          # only the last key is kept
+    shorter = Agreement(num_prompts=3, prompt_length=48, max_new_tokens=5)
+    shorter.run(tiny_llm, replace(ctx, reference=reference, reference_key="a"))    # other length: recomputed
+    assert len(built) == 4
+
+
+@needs_data("wikitext-2-raw")
 def test_perplexity_matches_hugging_face_on_the_same_windows(tiny_llm, ctx, load_reference):
     """Perplexity recomputed with a plain Hugging Face forward over each whole window (same weights: seed 0)."""
     import torch
