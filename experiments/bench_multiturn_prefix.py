@@ -12,7 +12,7 @@ survives from an earlier round); tables show medians. Greedy outputs must not de
 
     nice -n 10 python experiments/bench_multiturn_prefix.py            # a few minutes on 2 quiet cores
     python experiments/bench_multiturn_prefix.py --conversations 2 --turns 2 --repeats 1 --out /tmp/multiturn
-    python experiments/bench_multiturn_prefix.py --quant int4 --quant-args '{"residual": 32}' \
+    python experiments/bench_multiturn_prefix.py --quant int4 --quant-args '{"residual": 32}' --block-size 32 \
         --out experiments/results/multiturn_prefix_smollm2_int4      # every variant on KIVI int4 pages
 
 With a residual window (int4 / int2) a prompt's K/V depend on its prefill chunks (what each chunk reads

@@ -243,6 +243,23 @@ def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     return board.reset_index(drop=True)
 
 
+def merge_tasks(board: pd.DataFrame) -> pd.DataFrame | None:
+    """The leaderboard of a study made of one sweep per task (kvlab's leaderboard experiment: agreement,
+    perplexity, RULER and a workload-only sweep) as one row per (model, method, ratio, budget), each
+    task's columns side by side, kvpress-style; None when there is one dataset or when two datasets
+    measured the same column of a cell (they would not merge)."""
+    if "dataset" not in board.columns or board["dataset"].nunique() < 2:
+        return None
+    keys = [k for k in KEYS if k != "dataset" and k in board.columns]
+    values = [c for c in board.columns if c not in KEYS]
+    counts = board.groupby(keys, dropna=False, sort=False)[values].count()
+    if (counts > 1).any().any():
+        return None
+    merged = board.groupby(keys, dropna=False, sort=False)[values].first().reset_index()
+    merged.insert(0, "tasks", ", ".join(dict.fromkeys(board["dataset"])))
+    return merged.sort_values(keys, na_position="first", kind="stable").reset_index(drop=True)
+
+
 def score_columns(board: pd.DataFrame) -> list[str]:
     """The quality columns present in a leaderboard, in SCORES order."""
     return [name for _, name, _, _ in SCORES if name in board.columns]

@@ -6,6 +6,9 @@
 Writes, into the sweep folder or `--out`:
     leaderboard.md         the table (kvlab.analysis.leaderboard) and the plots, with the command
     leaderboard.csv        the same table, machine-readable
+    leaderboard_merged.csv a study of one sweep per task (experiments/leaderboard.sh): one row per
+                           (model, method, ratio), each task's columns side by side (also first in the .md)
+    pareto_<cost>_<score>.png  for such a study: each task's score against KV MiB held and tokens/s
     pareto_<cost>[_<n>].png  quality against KV MiB held and against tokens/s, Pareto front drawn
                            (one plot per dataset when the sweep has several)
     leaderboard.html       one self-contained page: the table and the plots inlined (base64), no
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.analysis import leaderboard, load_runs, markdown_table, plot_pareto, score_columns
+from kvlab.analysis import leaderboard, load_runs, markdown_table, merge_tasks, plot_pareto, score_columns
 
 log = logging.getLogger("kvlab")
 
@@ -38,6 +41,7 @@ class Report:
 
     board: pd.DataFrame
     quality: str | None
+    merged: pd.DataFrame | None = None  # one row per (model, method, ratio): each task's sweep side by side
     files: dict[str, Path] = field(default_factory=dict)
     plots: list[tuple[str, Path]] = field(default_factory=list)  # (caption, png)
 
@@ -78,11 +82,39 @@ def make_plots(board: pd.DataFrame, quality: str, out: Path) -> list[tuple[str, 
     return plots
 
 
+def make_merged_plots(merged: pd.DataFrame, out: Path) -> list[tuple[str, Path]]:
+    """Every task's score against each cost in PLOTS, from the merged table (one sweep per task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = []
+    for cost, stem in PLOTS:
+        for quality in score_columns(merged) if cost in merged.columns else []:
+            if merged[[cost, quality]].dropna().empty:
+                continue
+            fig = plot_pareto(merged, quality, cost)
+            fig.axes[0].set_title(f"{quality} vs {cost}", fontsize=9)
+            fig.tight_layout()
+            slug = "".join(c if c.isalnum() else "_" for c in quality.lower()).strip("_")
+            path = out / f"pareto_{stem}_{slug}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            plots.append((f"{quality} vs {cost}", path))
+    return plots
+
+
 def markdown(report: Report, sweep: Path, command: str) -> str:
     lines = [f"# Leaderboard: {sweep}", "", f"Command: `{command}`", "",
              f"{len(report.board)} rows from the finished runs under `{sweep}` (kvlab.analysis.leaderboard); "
              "`full` rows (ratio 0) are the reference. KV MiB held, tokens/s and TTFT come from the run's "
-             "workload (empty when the run had none).", "", markdown_table(report.board), ""]
+             "workload (empty when the run had none).", ""]
+    if report.merged is not None:
+        lines += [f"One row per policy and ratio, each task's sweep side by side ({len(report.merged)} rows; "
+                  f"tasks: {report.merged['tasks'].iloc[0]}):", "",
+                  markdown_table(report.merged.drop(columns="tasks")), "", "Every run, one row per task:", ""]
+    lines += [markdown_table(report.board), ""]
     for caption, path in report.plots:
         lines += [f"![{caption}]({path.name})", ""]
     return "\n".join(lines)
@@ -90,8 +122,9 @@ def markdown(report: Report, sweep: Path, command: str) -> str:
 
 def html_page(report: Report, sweep: Path, command: str) -> str:
     """One page, nothing fetched: the table as HTML, each PNG inlined as a data: URI."""
-    table = report.board.to_html(index=False, na_rep="", float_format=lambda v: f"{v:.4g}", border=0,
-                                 classes="leaderboard")
+    tables = [t for t in (report.merged, report.board) if t is not None]
+    table = "\n".join(t.to_html(index=False, na_rep="", float_format=lambda v: f"{v:.4g}", border=0,
+                                 classes="leaderboard") for t in tables)
     images = "\n".join(
         f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,'
         f'{base64.b64encode(path.read_bytes()).decode()}"><figcaption>{html.escape(caption)}</figcaption></figure>'
@@ -119,8 +152,13 @@ def write_report(sweep: str | Path, out: str | Path | None = None, quality: str 
     out = Path(out) if out is not None else sweep
     out.mkdir(parents=True, exist_ok=True)
     command = command or f"kvlab-report {sweep}"
+    report.merged = merge_tasks(board)
+    if report.merged is not None:  # one sweep per task: plot each task's score against the costs
+        report.plots = make_merged_plots(report.merged, out)
+        report.files["merged_csv"] = out / "leaderboard_merged.csv"
+        report.merged.to_csv(report.files["merged_csv"], index=False)
     if report.quality is not None:
-        report.plots = make_plots(board, report.quality, out)
+        report.plots += make_plots(board, report.quality, out)
     report.files["csv"] = out / "leaderboard.csv"
     board.to_csv(report.files["csv"], index=False)
     report.files["md"] = out / "leaderboard.md"

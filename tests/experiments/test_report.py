@@ -149,3 +149,44 @@ def test_wandb_is_on_when_the_sweeps_runs_logged_to_it():
     assert wandb_target(logged) == {"project": "p", "entity": None, "group": "smoke", "mode": "offline"}
     assert wandb_target(logged.assign(**{"logger.mode": "disabled"})) is None
     assert wandb_target(pd.DataFrame({"logger": [None]})) is None  # logger=none
+
+
+def test_a_study_of_one_sweep_per_task_merges_into_one_row_per_policy_and_ratio(tmp_path):
+    """experiments/leaderboard.sh runs one sweep per task into one folder; the report puts each task's columns
+    side by side for a (method, ratio), plots each score against the costs, and refuses to merge cells that
+    two datasets measured twice."""
+    from kvlab.analysis import merge_tasks
+    from kvlab.report import write_report
+
+    cells = [("agreement (wikitext-2-raw)", "greedy match", 0.5), ("perplexity (wikitext-2-raw)", "perplexity", 20.0),
+             ("ruler", "RULER score", 0.25), ("none", "KV MiB held (mean)", 90.0), ("none", "tokens/s", 5.0)]
+    rows = []
+    for method, ratio, shift in (("full", 0.0, 0.0), ("snapkv", 0.5, 1.0)):
+        for dataset, column, value in cells:
+            rows.append({"dataset": dataset, "model": "m", "method": method, "compression ratio": ratio,
+                         column: value - shift if column != "perplexity" else value + shift})
+    board = pd.DataFrame(rows).groupby(["dataset", "model", "method", "compression ratio"], sort=False).first().reset_index()
+    merged = merge_tasks(board)
+    assert list(merged["method"]) == ["full", "snapkv"]
+    assert merged.loc[1, ["greedy match", "perplexity", "RULER score", "KV MiB held (mean)", "tokens/s"]].tolist() == \
+        [-0.5, 21.0, -0.75, 89.0, 4.0]
+    twice = pd.concat([board, board.iloc[[0]].assign(dataset="agreement (other)")])
+    assert merge_tasks(twice) is None                   # two datasets measured greedy match: no merge
+    assert merge_tasks(board[board["dataset"] == "ruler"]) is None  # one dataset: nothing to merge
+    # the real report: a sweep of a task and a workload-only sweep into one folder
+    if not (DATA / "wikitext-2-raw").exists():
+        pytest.skip(f"shared data not found at {DATA / 'wikitext-2-raw'} (see ../shared/data/README.md)")
+    sweep = tmp_path / "study"
+    common = ["-m", "model=random-llama-tiny", "engine.kv_cache_memory=4MiB", "progress=false", "logger=none",
+              "policy=full,snapkv", "policy.compression_ratio=0.5", "policy.when=prefill", f"hydra.sweep.dir={sweep}"]
+    for extra in (["task=perplexity", "task.context_lengths=[64]", "task.num_windows=2", "workload=none"],
+                  ["task=none", "workload=shared-prefix", "workload.num_requests=2", "workload.prefix_length=48",
+                   "workload.suffix_length=32", "workload.max_tokens=2"]):
+        out = subprocess.run(kvlab_cmd(*common, *extra), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = write_report(sweep, tmp_path / "out")
+    assert list(report.merged["method"]) == ["full", "snapkv"] and report.merged["perplexity"].notna().all()
+    assert report.merged["tokens/s"].notna().all()
+    assert (tmp_path / "out" / "pareto_kv_bytes_perplexity.png").exists()
+    assert "One row per policy and ratio" in (tmp_path / "out" / "leaderboard.md").read_text()
