@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from bench_throughput import REPO, add_quality_args, log, metadata, provenance, quality_sizes, save, table
 
 COLUMNS = [("system", "system"), ("format", "format"), ("bytes_per_token", "KV B/token/layer held"),
            ("vs_fp32", "vs fp32"), ("ppl", "perplexity"), ("greedy_match", "greedy match"),
@@ -211,9 +211,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
         f"# Integer KV-cache formats: Hugging Face's quantised cache against kvlab's ({args.model})",
         "",
         *provenance(meta, "other jobs were running on the machine; seconds are indicative only"),
-        f"Perplexity: WikiText-2 test, {args.num_windows} windows of {args.context} context + {args.continuation} "
-        f"scored tokens. Agreement: {args.num_prompts} prompts of {args.prompt_length} tokens, {args.max_new_tokens} "
-        "greedy tokens, each system against its own fp32 cache (kvlab.tasks.agreement definitions). "
+        quality_sizes(args, "each system against its own fp32 cache (kvlab.tasks.agreement definitions)") +
         f"Both systems: group size {args.group_size}, residual {args.residual} tokens in full precision. "
         f"KV bytes: one sequence of {args.prompt_length + args.max_new_tokens} tokens, per token per layer, K and V, "
         "scales and zero points included.",
@@ -231,12 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats", nargs="+", default=["fp32", "int4", "int2"], choices=["fp32", "int4", "int2"])
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--residual", type=int, default=32)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--continuation", type=int, default=64)
-    p.add_argument("--num-windows", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-length", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    add_quality_args(p, context=512, num_windows=4, prompt_length=512)
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from bench_throughput import REPO, add_quality_args, log, metadata, provenance, quality_sizes, save, table
 
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("int8", {}), ("int4", {}),
            ("int2", {})]
@@ -96,9 +96,8 @@ def report(rows: list[dict], meta: dict, args) -> str:
         f"# KV-cache format quality on {args.model}",
         "",
         *provenance(meta, "other jobs were running on the machine; timings are indicative only"),
-        f"Perplexity: WikiText-2 test, {args.num_windows} windows of {args.context} context + {args.continuation} "
-        f"scored tokens. Agreement: {args.num_prompts} prompts of {args.prompt_length} tokens, {args.max_new_tokens} "
-        "greedy tokens, against the full-cache fp32 engine (kvlab.tasks.agreement). Block size 32; KIVI formats "
+        quality_sizes(args, "against the full-cache fp32 engine (kvlab.tasks.agreement)") +
+        "Block size 32; KIVI formats "
         "with group_size 32 (and the residual given in args, default 32 tokens in full precision).",
         "Bytes per token are counted from the pool tensors (one layer, K and V, scales and zero points included); "
         "the residual area (full precision, sized for max_num_seqs sequences) is paid from the budget first.",
@@ -116,12 +115,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--continuation", type=int, default=64)
-    p.add_argument("--num-windows", type=int, default=8)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    add_quality_args(p, context=256, num_windows=8, prompt_length=128)
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--formats", nargs="+", default=[n for n, _ in FORMATS], choices=[n for n, _ in FORMATS],

@@ -427,6 +427,23 @@ def provenance(meta: dict, note: str = "timings are indicative only") -> list[st
             f"at end {load_average()} ({note}).", ""]
 
 
+def add_quality_args(p: argparse.ArgumentParser, context: int, num_windows: int, prompt_length: int) -> None:
+    """The sizes of a format benchmark's two quality tasks: WikiText-2 perplexity and agreement."""
+    p.add_argument("--context", type=int, default=context, help="perplexity: context tokens per window")
+    p.add_argument("--continuation", type=int, default=64, help="perplexity: scored tokens per window")
+    p.add_argument("--num-windows", type=int, default=num_windows)
+    p.add_argument("--num-prompts", type=int, default=4, help="agreement: prompts")
+    p.add_argument("--prompt-length", type=int, default=prompt_length)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="agreement: greedy tokens compared")
+
+
+def quality_sizes(args, reference: str) -> str:
+    """The report's sentence on the quality tasks' sizes (the arguments of add_quality_args)."""
+    return (f"Perplexity: WikiText-2 test, {args.num_windows} windows of {args.context} context + {args.continuation} "
+            f"scored tokens. Agreement: {args.num_prompts} prompts of {args.prompt_length} tokens, "
+            f"{args.max_new_tokens} greedy tokens, {reference}. ")
+
+
 def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
     """Print the report and write it as <out>.md, with <out>.json holding the figures and the metadata."""
     from kvlab.loggers.local import write_report
