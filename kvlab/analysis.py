@@ -295,8 +295,9 @@ def plot_pareto(board: pd.DataFrame, quality: str, cost: str, ax=None):
     if missing:
         raise KeyError(f"leaderboard has no column(s) {missing}; columns: {', '.join(board.columns)}")
     fig, ax = _axes(ax)
-    for method, group in board.groupby("method", sort=True):
-        ax.scatter(group[cost], group[quality], label=str(method), s=28)
+    markers = "osD^v<>Pp*hX"  # matplotlib's colour cycle has 10 colours: a marker each keeps 12+ methods apart
+    for i, (method, group) in enumerate(board.groupby("method", sort=True)):
+        ax.scatter(group[cost], group[quality], label=str(method), s=28, marker=markers[i % len(markers)])
     front = board[pareto_front(board, cost, quality, better(cost), better(quality))].sort_values(cost)
     ax.plot(front[cost], front[quality], color="black", lw=1, ls="--", label="Pareto front")
     ax.set_xlabel(cost)
