@@ -56,53 +56,45 @@ def choose_quality(board: pd.DataFrame, quality: str | None) -> str | None:
     return quality
 
 
-def make_plots(board: pd.DataFrame, quality: str, out: Path) -> list[tuple[str, Path]]:
-    """Pareto plots (quality vs each cost in PLOTS), one per dataset; those without data are skipped."""
+def save_pareto(board: pd.DataFrame, quality: str, cost: str, caption: str, path: Path) -> tuple[str, Path] | None:
+    """One Pareto plot (kvlab.analysis.plot_pareto) written to `path`; None when no row has both columns."""
+    if board[[cost, quality]].dropna().empty:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_pareto(board, quality, cost)
+    fig.axes[0].set_title(caption, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return caption, path
+
+
+def make_plots(board: pd.DataFrame, quality: str, out: Path) -> list[tuple[str, Path]]:
+    """Pareto plots (quality vs each cost in PLOTS), one per dataset; those without data are skipped."""
     plots = []
     datasets = list(dict.fromkeys(board["dataset"]))
     for cost, stem in PLOTS:
         if cost not in board.columns:
             continue
         for i, dataset in enumerate(datasets):
-            part = board[board["dataset"] == dataset]
-            if part[[cost, quality]].dropna().empty:
-                continue
-            fig = plot_pareto(part, quality, cost)
-            fig.axes[0].set_title(f"{dataset}: {quality} vs {cost}", fontsize=9)
-            fig.tight_layout()
             path = out / (f"pareto_{stem}.png" if len(datasets) == 1 else f"pareto_{stem}_{i}.png")
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            plots.append((f"{dataset}: {quality} vs {cost}", path))
-    return plots
+            plots.append(save_pareto(board[board["dataset"] == dataset], quality, cost,
+                                     f"{dataset}: {quality} vs {cost}", path))
+    return [p for p in plots if p is not None]
 
 
 def make_merged_plots(merged: pd.DataFrame, out: Path) -> list[tuple[str, Path]]:
     """Every task's score against each cost in PLOTS, from the merged table (one sweep per task)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plots = []
     for cost, stem in PLOTS:
         for quality in score_columns(merged) if cost in merged.columns else []:
-            if merged[[cost, quality]].dropna().empty:
-                continue
-            fig = plot_pareto(merged, quality, cost)
-            fig.axes[0].set_title(f"{quality} vs {cost}", fontsize=9)
-            fig.tight_layout()
             slug = "".join(c if c.isalnum() else "_" for c in quality.lower()).strip("_")
-            path = out / f"pareto_{stem}_{slug}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            plots.append((f"{quality} vs {cost}", path))
-    return plots
+            plots.append(save_pareto(merged, quality, cost, f"{quality} vs {cost}", out / f"pareto_{stem}_{slug}.png"))
+    return [p for p in plots if p is not None]
 
 
 def markdown(report: Report, sweep: Path, command: str) -> str:

@@ -14,7 +14,7 @@ Works even for random tiny models: it measures the cache, not the model.
 The reference's outputs are kept for the next run in the same process (a Hydra sweep runs its
 jobs in one process): when the reference settings (`RunContext.reference_key`), the prompts and
 `max_new_tokens` are the same, the reference is neither built nor run again. A leaderboard sweep
-of 48 cells computes its reference once instead of 48 times.
+of 44 cells computes its reference once instead of 44 times.
 """
 
 from __future__ import annotations
