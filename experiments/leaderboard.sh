@@ -7,6 +7,8 @@
 # perplexity, RULER, and a batch of 16 Azure code-trace requests (KV bytes held, tokens/s). Finished jobs are
 # skipped on a rerun (skip_existing), so an interrupted leaderboard resumes where it stopped.
 # Sizes can be changed through the environment (AGREEMENT, PERPLEXITY, RULER: extra overrides per sweep).
+# REPEATS=3 runs the throughput sweep three times (the repeats with seed=1, 2: other run folders); the
+# report gives each cell the median of its runs.
 # Each sweep runs the `full` reference once (it ignores the ratio), then the other policies x 4 ratios.
 set -uo pipefail
 MODEL=${1:-smollm2-135m}
@@ -17,6 +19,7 @@ COMMON="experiment=leaderboard model=${MODEL} name=${STUDY}"
 AGREEMENT=${AGREEMENT:-"task.prompt_length=512 task.num_prompts=4"}
 PERPLEXITY=${PERPLEXITY:-"task.context_lengths=[512] task.num_windows=8"}
 RULER=${RULER:-"task.lengths=[1024] task.num_samples=2"}
+REPEATS=${REPEATS:-1}
 
 sweep() {  # one sweep: the full reference, then every other policy at every ratio
     $PY -m kvlab -m $COMMON "$@" policy=full policy.compression_ratio=0 || status=1
@@ -31,6 +34,7 @@ if [ "$PHASE" != throughput ]; then
 fi
 if [ "$PHASE" != quality ]; then
     sweep task=none
+    for ((k = 1; k < REPEATS; k++)); do sweep task=none seed=$k; done
 fi
 $PY -m kvlab.report multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
 exit $status

@@ -219,7 +219,7 @@ def _number(value: Any) -> float | None:
 def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, model, method, compression ratio, budget) of the finished runs: kvpress's
     columns (score columns named by SCORES) plus KV MiB held, tokens/s, TTFT and pages freed (COSTS);
-    repeated runs of a cell are averaged. `full` rows have ratio 0 (the reference). Columns no run
+    repeated runs of a cell (e.g. timing repeats with another `seed`) give their median. `full` rows have ratio 0 (the reference). Columns no run
     measured are left out; a cell a run did not measure is NaN."""
     df = _need(runs, "policy.name", "model.name")
     if df.empty:
@@ -238,7 +238,7 @@ def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in KEYS if table[k].notna().any()]
     values = [name for _, name, _, _ in SCORES + COSTS if table[name].notna().any()]
     table[values] = table[values].astype(float)
-    board = table.groupby(keys, dropna=False, sort=False)[values].mean().reset_index()
+    board = table.groupby(keys, dropna=False, sort=False)[values].median().reset_index()
     board = board.sort_values([k for k in keys], na_position="first", kind="stable")
     return board.reset_index(drop=True)
 

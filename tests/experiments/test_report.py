@@ -122,6 +122,19 @@ def test_pareto_front_keeps_the_undominated_rows():
     assert list(pareto_front(df, "cost", "quality", x_better="max")) == [False, False, True, False, False]
 
 
+def test_repeated_runs_of_a_cell_give_their_median():
+    """Timing repeats (the leaderboard's throughput sweep rerun with another seed) land in one row as the
+    median, so one slow run on a noisy machine does not move the cell; other cells stay apart."""
+    runs = pd.DataFrame({"policy.name": ["snapkv"] * 3 + ["full"], "model.name": ["m"] * 4,
+                         "policy.compression_ratio": [0.5, 0.5, 0.5, 0.0], "seed": [0, 1, 2, 0],
+                         "workload/tokens_per_s": [5.0, 6.0, 60.0, 7.0],
+                         "workload/kv_bytes_mean": [2.0**20] * 3 + [2.0**21]})
+    board = leaderboard(runs)
+    assert list(board["method"]) == ["full", "snapkv"]
+    assert board["tokens/s"].tolist() == [7.0, 6.0]        # the mean would be 23.7
+    assert board["KV MiB held (mean)"].tolist() == [2.0, 1.0]
+
+
 def test_markdown_table_formats_and_escapes():
     text = markdown_table(pd.DataFrame({"a": ["x|y", None], "b": [1.234567, float("nan")]}))
     assert text.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 1.235 |", "|  |  |"]
