@@ -219,8 +219,8 @@ def _number(value: Any) -> float | None:
 def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, model, method, compression ratio, budget) of the finished runs: kvpress's
     columns (score columns named by SCORES) plus KV MiB held, tokens/s, TTFT and pages freed (COSTS);
-    repeated runs of a cell (e.g. timing repeats with another `seed`) give their median. `full` rows have ratio 0 (the reference). Columns no run
-    measured are left out; a cell a run did not measure is NaN."""
+    repeated runs of a cell (e.g. timing repeats with another `seed`) give their median. `full` rows have
+    ratio 0 (the reference). Columns no run measured are left out; a cell a run did not measure is NaN."""
     df = _need(runs, "policy.name", "model.name")
     if df.empty:
         raise ValueError("leaderboard: no finished runs")
