@@ -36,12 +36,12 @@ from bench_shared_pool import make_prompts
 from bench_throughput import commit_line, fmt, load_average, log, metadata, table
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "num_steps", "preemptions",
-         "ttft_median_s", "policy_compressions", "policy_s", "policy_pages_freed")
+         "ttft_median_s", "policy_compressions", "policy_s", "policy_pages_freed", "policy_bytes_freed")
 COLUMNS = [("policy", "policy"), ("max_concurrent_seqs", "max seqs"), ("mean_concurrent_seqs", "mean seqs"),
            ("tokens_per_s", "tok/s (busy)"), ("wall_s", "wall s"), ("ttft_median_s", "TTFT p50 s"),
            ("preemptions", "preemptions"), ("ms_per_compression", "ms per compression"),
            ("policy_ms_per_step", "policy ms per step"), ("policy_share", "policy share of busy time"),
-           ("pages_freed_per_seq", "pages freed per seq")]
+           ("kib_freed_per_seq", "KV KiB freed per seq")]  # bytes: a policy's pages hold one layer
 
 
 def measure(model: str, loaded, policy: str, policy_args: dict, engine_args: dict, prompts, args) -> dict:
@@ -95,7 +95,8 @@ def replay(model: str, loaded, policy: str, policy_args: dict, engine_args: dict
     stats = engine.metrics.summary()
     return {"max_concurrent_seqs": stats["max_concurrent_seqs"], "mean_concurrent_seqs": stats["mean_concurrent_seqs"],
             "preemptions": stats["preemptions"], "num_steps": stats["num_steps"],
-            "kv_blocks_peak": stats["kv_blocks_peak"]}
+            "kv_blocks_peak": stats["kv_blocks_peak"],
+            "kv_mib_peak": stats["kv_blocks_peak"] * engine.bytes_per_block / 2**20}  # pages' size varies: bytes
 
 
 def variants(args) -> list[tuple[str, str, dict, dict]]:
@@ -121,7 +122,8 @@ def summarise(name: str, runs: list[dict], num_requests: int) -> dict:
     row["ms_per_compression"] = 1000 * row["policy_s"] / calls if calls else float("nan")
     row["policy_share"] = row["policy_s"] / row["busy_s"] if row["busy_s"] else float("nan")
     row["policy_ms_per_step"] = 1000 * row["policy_s"] / row["num_steps"] if row["num_steps"] else float("nan")
-    row["pages_freed_per_seq"] = row["policy_pages_freed"] / num_requests
+    row["pages_freed_per_seq"] = row["policy_pages_freed"] / num_requests  # pages of one layer: not full's size
+    row["kib_freed_per_seq"] = row["policy_bytes_freed"] / 1024 / num_requests
     row["runs"] = runs
     return row
 
@@ -185,7 +187,7 @@ def replay_all(args, meta: dict, loaded, prompts) -> dict:
     meta["load_end"] = load_average()
     results = {"rows": rows, "mean_prompt_len": statistics.mean(len(p) for p in prompts)}
     cols = [("policy", "policy"), ("max_concurrent_seqs", "max seqs"), ("mean_concurrent_seqs", "mean seqs"),
-            ("preemptions", "preemptions"), ("num_steps", "steps"), ("kv_blocks_peak", "peak pages"),
+            ("preemptions", "preemptions"), ("num_steps", "steps"), ("kv_mib_peak", "peak KV MiB"),
             ("max_concurrency_x_full", "max seqs / full"), ("concurrency_x_full", "mean seqs / full")]
     text = report(results, meta, args, cols, title="concurrency replayed without the model")
     print(text)

@@ -89,7 +89,7 @@ class HFCache:
     def generate(self, prompts, params):
         import torch
 
-        from kvlab.outputs import RequestOutput
+        from kvlab.outputs import CompletionOutput, RequestOutput
 
         outs = []
         with torch.inference_mode():
@@ -99,7 +99,7 @@ class HFCache:
                 for _ in range(params.max_tokens):
                     new.append(int(logits[-1].argmax()))
                     logits = self._forward(new[-1:], cache)
-                outs.append(RequestOutput(i, list(prompt), new, None, "length", None, None))
+                outs.append(RequestOutput(i, list(prompt), [CompletionOutput(0, None, new, "length")]))
         return outs
 
     def score(self, prompts, continuations, return_dists: bool = False):

@@ -38,7 +38,7 @@ SYSTEMS = ("hf-generate", "hf-generate-batch", "kvlab")
 SECTIONS = ("micro", "trace", "concurrency")
 ALLOCATORS = (  # (row name, allocator, allocator_args)
     ("paged", "paged", {}),
-    ("contiguous", "contiguous", {}),
+    ("contiguous", "contiguous", {"reserve": "max_model_len"}),
     ("contiguous (reserve=request)", "contiguous", {"reserve": "request"}),
 )
 REPO = Path(__file__).resolve().parents[1]

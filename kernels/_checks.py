@@ -149,7 +149,7 @@ class PackedSide:
     data: torch.Tensor  # codes [num_blocks, bs, Hkv, D * bits / 8] (int8: [.., D])
     scale: torch.Tensor
     zero: torch.Tensor | None
-    residual: torch.Tensor | None  # [rows, bs, Hkv, D]
+    residual: torch.Tensor | None  # flat residual row storage (kvlab.quant.page_store: chunks via area.lease)
     kind: int
     bits: int
     group: int

@@ -213,18 +213,24 @@ class _Pool:
     zero: torch.Tensor
     residual: torch.Tensor
     row_of: torch.Tensor
+    lease: torch.Tensor
     consts: dict
 
 
 def _pool(cache, scale, placeholder, side: str) -> _Pool:
     if isinstance(cache, torch.Tensor):
-        return _Pool(cache, scale if scale is not None else placeholder, placeholder, placeholder, placeholder, {})
+        return _Pool(cache, scale if scale is not None else placeholder, placeholder, placeholder, placeholder,
+                     placeholder, {})
     p = C.packed_side(cache)
-    row_of = cache.area.row_of if cache.area is not None else placeholder
+    area = cache.area
     consts = {f"{side}_KIND": p.kind, f"{side}_BITS": p.bits, f"{side}_GROUP": p.group,
               "NUM_KV_HEADS": cache.shape[2], "HAS_RES": p.residual is not None}
+    if p.residual is not None:
+        consts.update(RES_K=area.k, RES_CHUNK=cache.chunk)
     return _Pool(p.data, p.scale, p.zero if p.zero is not None else placeholder,
-                 p.residual if p.residual is not None else placeholder, row_of, consts)
+                 p.residual if p.residual is not None else placeholder,
+                 area.row_of if area is not None else placeholder, area.lease if area is not None else placeholder,
+                 consts)
 
 
 def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decode, k_scale, v_scale, scale,
@@ -254,7 +260,7 @@ def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decod
         lse if lse is not None else placeholder, m, l,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, tiles.seq, tiles.start,
         tree if tree is not None else placeholder,
-        kp.scale, vp.scale, kp.zero, vp.zero, kp.residual, vp.residual, kp.row_of,
+        kp.scale, vp.scale, kp.zero, vp.zero, kp.residual, vp.residual, kp.row_of, kp.lease,
         float(scale), float(softcap or 1.0), int(window or 0),
         q.stride(0), q.stride(1),
         kp.data.stride(0), kp.data.stride(1), kp.data.stride(2),
@@ -319,7 +325,7 @@ def _launch_stats(q, k_cache, lse, plan, batch, k_scale, scale, softcap, g, k_co
         q, kp.data, lse, stats_out,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
         tree if tree is not None else placeholder,
-        kp.scale, kp.zero, kp.residual, kp.row_of,
+        kp.scale, kp.zero, kp.residual, kp.row_of, kp.lease,
         float(scale), float(softcap or 1.0), int(window or 0),
         int(stats_window if stats_window is not None else T), L,
         q.stride(0), q.stride(1),

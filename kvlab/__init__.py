@@ -16,6 +16,7 @@ _LAZY = {
     "EngineConfig": "kvlab.engine_config",
     "LLMEngine": "kvlab.llm_engine",
     "RequestOutput": "kvlab.outputs",
+    "CompletionOutput": "kvlab.outputs",
     "ScoreOutput": "kvlab.outputs",
 }
 

@@ -10,8 +10,10 @@ Registered plugins become group options first (kvlab.conf_plugins). A single run
 exits non-zero when it fails. In a sweep a failed job is recorded as failed and
 the sweep goes on; at its end a summary lists the jobs finished / failed /
 skipped, and the exit status is 1 if any failed (kvlab.sweep_report).
-fail_fast=true stops the sweep at the first failure. A config error is reported
-with its path, before any model loads.
+fail_fast=true stops the sweep at the first failure. A config error (a value the
+schema, kvlab.preflight or the engine refuses) is one line, `config error: <path>:
+<problem>`, exit status 1, no traceback (the run's record keeps it); every check
+that does not need the weights runs before any model loads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvlab.config import ConfigError, validate
 from kvlab.experiment import config_hash, find_finished, read_record, run_experiment
 from kvlab.launchers import register_launchers
 from kvlab.loggers.local import RECORD
+from kvlab.preflight import one_line
 from kvlab.study import Outcome, make_study
 from kvlab.sweep_report import SweepStopped, error_line, sweep_has_failed
 
@@ -43,9 +46,9 @@ def task(cfg: DictConfig) -> dict | None:
         return sweep_job(cfg, hc)
     try:
         return run_experiment(cfg, hc.runtime.output_dir, None, hc.job.override_dirname or "run")
-    except ConfigError as exc:
-        log.error("config error: %s", exc)
-        sys.exit(f"config error: {exc}")
+    except ConfigError as exc:  # one line, no traceback (the run's record keeps it)
+        log.error("config error: %s", one_line(exc))
+        sys.exit(f"config error: {one_line(exc)}")
 
 
 def sweep_job(cfg: DictConfig, hc) -> Outcome:
@@ -76,13 +79,19 @@ def study_values(cfg: DictConfig, hc, summary: dict | None) -> list[float]:
     return make_study(config["study"]).values(config, summary)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The console script; `argv` (default: sys.argv[1:]) is its command line, e.g. ["policy=snapkv"]."""
     register_plugin_configs()
     register_launchers()
+    saved = sys.argv
+    if argv is not None:
+        sys.argv = [saved[0] if saved else "kvlab-run", *argv]
     try:
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)()
     except SweepStopped as stop:  # fail_fast in a sweep run in this process (basic launcher)
         stop.report.finish(stopped=True)
+    finally:
+        sys.argv = saved
 
 
 if __name__ == "__main__":

@@ -186,14 +186,26 @@ SCORES = (
     ("agreement/kl", "KL to full cache", 1.0, "min"),
     ("perplexity/ppl", "perplexity", 1.0, "min"),
 )
+# KV held and freed in bytes and tokens, never in pages: a page's size depends on the layer grouping (a
+# compressing policy's pages hold one layer, or one KV head), so page counts do not compare across rows
+# (kvlab.metrics, "KV held")
 COSTS = (
     ("workload/kv_bytes_mean", "KV MiB held (mean)", 1 / 2**20, "min"),
     ("workload/kv_bytes_peak", "KV MiB held (peak)", 1 / 2**20, "min"),
+    ("workload/kv_tokens_mean", "KV tokens held (mean)", 1.0, "min"),
     ("workload/tokens_per_s", "tokens/s", 1.0, "max"),
     ("workload/ttft_median_s", "TTFT median (s)", 1.0, "min"),
-    ("workload/policy_pages_freed", "pages freed", 1.0, "max"),
+    ("workload/policy_bytes_freed", "KV MiB freed", 1 / 2**20, "max"),
 )
 KEYS = ("dataset", "model", "method", "compression ratio", "budget")
+LM_EVAL_LOWER = ("perplexity", "bits_per_byte")  # lm-eval metrics (task=lm_eval) that improve downwards
+
+
+def lm_eval_scores(columns) -> tuple:
+    """SCORES-shaped entries for the lm-eval metrics runs logged (`lm_eval/<task>/<metric>`, kvlab.tasks.lm_eval),
+    as leaderboard columns "lm-eval <task>/<metric>"."""
+    return tuple((c, f"lm-eval {c[len('lm_eval/'):]}", 1.0, "min" if any(w in c for w in LM_EVAL_LOWER) else "max")
+                 for c in columns if str(c).startswith("lm_eval/") and c != "lm_eval/wall_s")
 
 
 def dataset_name(run: pd.Series) -> str:
@@ -218,25 +230,26 @@ def _number(value: Any) -> float | None:
 
 def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (dataset, model, method, compression ratio, budget) of the finished runs: kvpress's
-    columns (score columns named by SCORES) plus KV MiB held, tokens/s, TTFT and pages freed (COSTS);
+    columns (score columns named by SCORES) plus KV MiB and tokens held, tokens/s, TTFT and KV MiB freed
+    by the policy (COSTS);
     repeated runs of a cell (e.g. timing repeats with another `seed`) give their median. `full` rows have
     ratio 0 (the reference). Columns no run measured are left out; a cell a run did not measure is NaN."""
     df = _need(runs, "policy.name", "model.name")
     if df.empty:
         raise ValueError("leaderboard: no finished runs")
-    rows = []
+    rows, scores = [], SCORES + lm_eval_scores(df.columns)
     for _, run in df.iterrows():
         full = run["policy.name"] == "full"
         row = {"dataset": dataset_name(run), "model": run["model.name"], "method": run["policy.name"],
                "compression ratio": 0.0 if full else _number(run.get("policy.compression_ratio")),
                "budget": None if full else _number(run.get("policy.budget"))}
-        for column, name, scale, _ in SCORES + COSTS:
+        for column, name, scale, _ in scores + COSTS:
             value = _number(run.get(column))
             row[name] = None if value is None else value * scale
         rows.append(row)
     table = pd.DataFrame(rows)
     keys = [k for k in KEYS if table[k].notna().any()]
-    values = [name for _, name, _, _ in SCORES + COSTS if table[name].notna().any()]
+    values = [name for _, name, _, _ in scores + COSTS if table[name].notna().any()]
     table[values] = table[values].astype(float)
     board = table.groupby(keys, dropna=False, sort=False)[values].median().reset_index()
     board = board.sort_values([k for k in keys], na_position="first", kind="stable")
@@ -262,7 +275,8 @@ def merge_tasks(board: pd.DataFrame) -> pd.DataFrame | None:
 
 def score_columns(board: pd.DataFrame) -> list[str]:
     """The quality columns present in a leaderboard, in SCORES order."""
-    return [name for _, name, _, _ in SCORES if name in board.columns]
+    return [name for _, name, _, _ in SCORES if name in board.columns] + \
+        [c for c in board.columns if str(c).startswith("lm-eval ")]
 
 
 def better(column: str) -> str:
@@ -270,6 +284,8 @@ def better(column: str) -> str:
     for _, name, _, way in SCORES + COSTS:
         if name == column:
             return way
+    if str(column).startswith("lm-eval "):
+        return "min" if any(w in column for w in LM_EVAL_LOWER) else "max"
     raise KeyError(f"{column!r} is not a leaderboard column")
 
 

@@ -93,6 +93,8 @@ class BlockManager:
         # share the page (not while it is open in another sequence's window); None: every cached page
         self.shareable: Callable[[int, bool], bool] | None = None
         self._hits: dict[int, tuple[int, set]] = {}  # seq id -> (hit tokens, {(group, page)} taken from the cache)
+        # called after a sequence's tables are freed (the cache gives back residual rows leased for its open pages)
+        self.on_free: Callable[[], None] | None = None
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
 
     # -- tables ----------------------------------------------------------------
@@ -271,6 +273,8 @@ class BlockManager:
             self.prefix_cache.forget_sequence(seq.seq_id)
         self._hits.pop(seq.seq_id, None)
         self._compacted.discard(seq.seq_id)
+        if self.on_free is not None:
+            self.on_free()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""

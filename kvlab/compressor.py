@@ -10,12 +10,21 @@ of the last `query_window` prompt tokens whatever the chunking, collected over a
 chunks as they span (and, with `when="decode"`, of the latest decode steps): the kept set never
 depends on what else was in the batch.
 
-When a sequence is compressed:
-- `when="prefill"`: once, in the step that computes the last token of its prompt (a scoring request:
-  of its context);
+When a sequence is compressed (its *compression points*, defined in token time: by how many tokens
+it has computed, never by steps, so a recompute after a preemption or a failed step compresses where
+the first pass did; the scheduler ends every chunk at the next point, `Compressor.next_point`):
+- `when="prefill"`: once, when the last token of its prompt is computed (a scoring request: of its
+  context);
 - `when="chunk"`: after every prefill chunk, the observation window being the chunk's last queries
-  (those of earlier chunks are dropped once a compression has run: their keys may be gone);
-- `when="decode"`: after the prefill, then every `every` decode steps.
+  (those of earlier chunks are dropped once a compression has run: their keys may be gone); a chunk
+  never runs past the prompt's end;
+- `when="decode"`: at the prompt's end, then each time `every` more tokens are computed (tokens
+  p + every, p + 2 every, ... for a prompt of p: after every `every` decode steps when decoding one
+  token a step, and at the same tokens when a recompute computes them in chunks).
+
+A sequence's state here (recorded queries, accumulated attention) is dropped when it finishes, is
+aborted, preempted or put back after a failed step (`forget`); a fork (parallel samples) copies it
+(`fork`), so each sample goes on as a separate request would.
 
 With prefix caching, the leading pages a sequence shares (held by another table, or taken from the
 prefix cache: `BlockManager.protected_slots`) are protected: the policy keeps them and its budget
@@ -50,7 +59,6 @@ class Compressor:
         if policy.head_budgets and policy.needs_attention_stats:
             raise ValueError(f"{type(policy).__name__}: per-head budgets cannot use accumulated attention statistics "
                              f"yet (the statistics are gathered per layer)")
-        self._decode_steps: dict[int, int] = {}
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
         self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
         self.reset_stats()
@@ -58,10 +66,30 @@ class Compressor:
     def reset_stats(self) -> None:
         self.calls = 0  # sequences compressed
         self.seconds = 0.0  # spent scoring, selecting and compacting
-        self.pages_freed = 0
+        self.pages_freed = 0  # the pool's pages in use before a compression less after it, summed
+        self.tokens_evicted = 0.0  # cache slots removed per full-attention table, averaged over the tables
 
     def stats(self) -> dict:
-        return {"policy_compressions": self.calls, "policy_s": self.seconds, "policy_pages_freed": self.pages_freed}
+        """`policy_pages_freed` counts pages of this engine's pool, whose size depends on the layer grouping
+        (a compressing policy gives every layer, or KV head, its own table): compare bytes
+        (`policy_bytes_freed`, added by the engine) or `policy_tokens_evicted` (tokens removed per layer,
+        per KV head with per-head tables, summed over compressions) across configurations."""
+        return {"policy_compressions": self.calls, "policy_s": self.seconds, "policy_pages_freed": self.pages_freed,
+                "policy_tokens_evicted": self.tokens_evicted}
+
+    # -- compression points (torch-free: the scheduler asks them) ------------------
+    def next_point(self, seq: Sequence) -> int | None:
+        """The computed-token count at which `seq` is next compressed (a chunk must not run past it), or
+        None: its prompt's end while in prefill, then with when="decode" every `every` tokens after it."""
+        return self._point(_prompt_end(seq), seq.num_computed_tokens)
+
+    def _point(self, prompt_end: int, done: int) -> int | None:
+        if done < prompt_end:
+            return prompt_end
+        if self.policy.when != "decode":
+            return None
+        every = self.policy.every
+        return prompt_end + every * ((done - prompt_end) // every + 1)
 
     def query_rows(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
@@ -69,23 +97,20 @@ class Compressor:
         if not w:
             return 0
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
-        prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
+        prompt_end = _prompt_end(seq)
         if start < prompt_end:  # with when="chunk" every chunk is compressed: the window ends with the chunk
             window_end = min(end, prompt_end) if self.policy.when == "chunk" else prompt_end
             return max(0, end - max(start, window_end - w))
         return min(num_new_tokens, w) if self.policy.when == "decode" else 0
 
     def due(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step?"""
-        p = self.policy
-        end = seq.num_computed_tokens + num_new_tokens
-        prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
-        in_prefill = seq.num_computed_tokens < prompt_end
-        if in_prefill:
-            return end >= prompt_end or p.when == "chunk"
-        if p.when != "decode":
-            return False
-        return (self._decode_steps.get(seq.seq_id, 0) + 1) % p.every == 0
+        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step? (Every prefill
+        chunk with when="chunk"; otherwise when the chunk reaches the sequence's next compression point.)"""
+        start = seq.num_computed_tokens
+        if start < _prompt_end(seq) and self.policy.when == "chunk":
+            return True
+        point = self.next_point(seq)
+        return point is not None and start + num_new_tokens >= point
 
     @torch.inference_mode()
     def after_step(self, seqs: list[Sequence], num_new_tokens: list[int], due: list[bool],
@@ -94,36 +119,39 @@ class Compressor:
         mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due."""
         if stats:
             self._accumulate(seqs, num_new_tokens, stats)
-        w = self.policy.query_window
         for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
-            prompt_end = seq.score_from if seq.is_scoring else seq.num_prompt_tokens
-            if seq.num_computed_tokens > prompt_end:  # a decode (or continuation) step
-                self._decode_steps[seq.seq_id] = self._decode_steps.get(seq.seq_id, 0) + 1
-            if w and queries:
-                if seq.num_computed_tokens - n == self.bm.num_hit_tokens(seq):  # a first chunk (also after a
-                    # preemption, or after a prefix-cache hit): start afresh
-                    self._queries.pop(seq.seq_id, None)
-                elif self.policy.when == "chunk" and seq.num_computed_tokens - n < prompt_end:
-                    self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
-                kept = self._queries.setdefault(seq.seq_id, {})
-                for layer, q in queries.items():
-                    if q[i].shape[0]:
-                        kept[layer] = torch.cat([kept[layer], q[i]])[-w:] if layer in kept else q[i][-w:]
+            if self.policy.query_window and queries:
+                self._record_queries(seq, n, [(layer, q[i]) for layer, q in queries.items()])
             if is_due:
                 self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
-                if self.policy.when != "decode" and seq.num_computed_tokens >= prompt_end:
-                    self._queries.pop(seq.seq_id, None)  # never read again
+            if self.next_point(seq) is None:  # compressed for the last time: nothing here is read again
+                self.forget(seq)
+
+    def _record_queries(self, seq: Sequence, n: int, queries: list[tuple[int, torch.Tensor]]) -> None:
+        """Keep the latest `query_window` queries of every layer ([n_i, Hq, D] each, this step's rows)."""
+        w = self.policy.query_window
+        if seq.num_computed_tokens - n == self.bm.num_hit_tokens(seq):  # a first chunk (also after a
+            # preemption, or after a prefix-cache hit): start afresh
+            self._queries.pop(seq.seq_id, None)
+        elif self.policy.when == "chunk" and seq.num_computed_tokens - n < _prompt_end(seq):
+            self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
+        for layer, q in queries:
+            if q.shape[0]:
+                kept = self._queries.setdefault(seq.seq_id, {})
+                kept[layer] = torch.cat([kept[layer], q])[-w:] if layer in kept else q[-w:]
 
     def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor]) -> None:
         """Add the step's attention mass to each cached key's running total (H2O's accumulated attention)."""
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
                 self._mass.pop(seq.seq_id, None)
+            if self._point(_prompt_end(seq), seq.num_computed_tokens - n) is None:  # compressed for good
+                continue
             mass = self._mass.setdefault(seq.seq_id, {})
             for g in self.groups:
                 layer = self.bm.groups[g].layers[0]
                 length = self.bm.cached_lens([seq], g)[0]
-                step = stats[layer][i, :, :length].T.float()  # [cached, Hkv]
+                step = stats[layer][i, :, :length].T.float().clone()  # [cached, Hkv] (not a view of the batch's)
                 old = mass.get(layer)
                 if old is not None:
                     step[: old.shape[0]] += old
@@ -135,6 +163,7 @@ class Compressor:
         mass = mass if mass is not None else {}
         t0 = time.perf_counter()
         before = self.bm.num_used_blocks()
+        cached = self._cached_slots(seq)
         self.policy.begin(seq.num_computed_tokens)
         for layer, groups in self.layers.items():
             if len(groups) > 1:  # a table per KV head: each head keeps its own number of tokens
@@ -157,6 +186,7 @@ class Compressor:
         freed = before - self.bm.num_used_blocks()
         self.calls += 1
         self.pages_freed += freed
+        self.tokens_evicted += (cached - self._cached_slots(seq)) / len(self.groups)
         self.seconds += time.perf_counter() - t0
         return freed
 
@@ -198,10 +228,32 @@ class Compressor:
         slots = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=self.cache.k(layer).device)
         return self.cache.read_slots(layer, slots, self.dtype)  # dequantised, whatever the format
 
+    def _cached_slots(self, seq: Sequence) -> int:
+        """Slots `seq` caches over the compressed (full-attention) tables."""
+        return sum(self.bm.cached_lens([seq], g)[0] for g in self.groups)
+
+    # -- per-sequence state ----------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` was forked from `parent` (sharing its pages): it starts from the parent's recorded queries
+        and accumulated attention (the tensors are never written in place, so they are shared)."""
+        if parent.seq_id in self._queries:
+            self._queries[child.seq_id] = dict(self._queries[parent.seq_id])
+        if parent.seq_id in self._mass:
+            self._mass[child.seq_id] = dict(self._mass[parent.seq_id])
+
     def forget(self, seq: Sequence) -> None:
-        self._decode_steps.pop(seq.seq_id, None)
+        """`seq` finished, was aborted, preempted or put back after a failed step: drop its state."""
         self._queries.pop(seq.seq_id, None)
         self._mass.pop(seq.seq_id, None)
+
+    def num_tracked(self) -> int:
+        """Sequences this compressor keeps state for (a test that nothing leaks reads it)."""
+        return len(self._queries.keys() | self._mass.keys())
+
+
+def _prompt_end(seq: Sequence) -> int:
+    """Tokens before the first compression point: the prompt (a scoring request: its context)."""
+    return seq.score_from if seq.is_scoring else seq.num_prompt_tokens
 
 
 def _protect(protected: int) -> dict:

@@ -12,14 +12,23 @@ A wrong option raises `EngineOptionError` (a ValueError) naming it::
 
     block_size: expected int, got float 16.0
     block_size: 24 is not allowed; choose one of (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    device: 'cuda': CUDA is not available here (torch is built without CUDA); use device='cpu'
+    policy_args: policy 'snapkv' needs a budget (...) or a compression_ratio (...)
+
+Besides the types and ranges, the device and the kernel backend are checked against this machine,
+and the policy is built once (so the plugins are loaded): its own parameter errors, and a
+compressing policy given neither a budget nor a ratio, fail here.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvlab.sampling_params import MAX_SEED
 from kvlab.schema import ConfigError, fields_of, fits, type_problem
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -56,7 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens computed per step at most (prefill chunks + decodes)
     max_prefill_chunk: int | None = None  # prompt tokens one sequence computes per step at most (None: the step's
     # budget); under a policy compressing per chunk (when="chunk") admission counts its compressed prompt + one chunk
-    max_model_len: int | None = None  # longest sequence; None: the model's context
+    max_model_len: int | None = None  # longest sequence; None: the model's context (longer than it: refused)
     policy: str = "full"  # registered eviction/compression policy
     policy_args: dict[str, Any] = field(default_factory=dict)
     quant: str = "auto"  # registered cache format
@@ -65,8 +74,9 @@ class EngineConfig:
     draft_args: dict[str, Any] = field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # model compute dtype
     device: str = "cpu"  # torch device of the model and the KV pool
-    seed: int = 0  # sampling seed
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise
+    seed: int = 0  # sampling seed (and the random:* models' weights), an integer in [0, 2**63)
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise;
+    # triton on a CPU device only under Triton's interpreter (TRITON_INTERPRET=1, for kernel tests)
     enable_prefix_caching: bool = False  # share full pages of common prefixes between requests (hashed)
     prefix_match: Literal["page", "token"] = "page"  # token: also share a cached page's first tokens (copied on write)
     prefix_cache: Literal["hash", "radix"] = "hash"  # the index of cached pages: hashed blocks | radix tree (always token-granular)
@@ -96,5 +106,62 @@ class EngineConfig:
             raise EngineOptionError("max_prefill_chunk", f"must be >= 1 or None, got {self.max_prefill_chunk}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise EngineOptionError("max_model_len", f"must be >= 2 or None, got {self.max_model_len}")
+        if not 0 <= self.seed < MAX_SEED:
+            raise EngineOptionError("seed", f"must be an integer in [0, 2**63), got {self.seed}")
         for name in PLUGIN_ARGS:
             setattr(self, name, dict(getattr(self, name)))
+        for key, problem in (("device", device_problem(self.device)),
+                             ("kernel_backend", backend_problem(self.kernel_backend, self.device))):
+            if problem:
+                raise EngineOptionError(key, problem)
+        self._check_policy_budget()
+
+    def _check_policy_budget(self) -> None:
+        """A compressing policy given neither a budget nor a compression_ratio keeps every token while it
+        reads as compressed: refused (a policy's own parameter errors are raised here too, unchanged)."""
+        from kvlab.registry import POLICIES
+
+        policy = POLICIES.build(self.policy, **self.policy_args)
+        if policy.compresses and policy.budget is None and policy.compression_ratio is None:
+            raise EngineOptionError("policy_args", f"policy {self.policy!r} needs a budget (tokens kept per layer, "
+                                    f"e.g. budget: 256) or a compression_ratio (fraction removed, e.g. "
+                                    f"compression_ratio: 0.5); with neither it would keep every token (that is "
+                                    f"policy 'full')")
+
+
+def device_problem(device: str) -> str | None:
+    """Why torch cannot place the model on `device` here, or None."""
+    if device == "cpu":
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        return f"{device!r} is not a torch device ({exc})"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            return f"{device!r}: CUDA is not available here ({why}); use device='cpu'"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"{device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        return None
+    module = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+    if dev.type != "cpu" and hasattr(module, "is_available") and not module.is_available():
+        return f"{device!r}: {dev.type} is not available here; use device='cpu'"
+    return None
+
+
+def backend_problem(backend: str, device: str) -> str | None:
+    """Why the kernel backend cannot run on `device`, or None: Triton needs to be installed, and on a CPU
+    device runs only under its interpreter (TRITON_INTERPRET=1 set before the kernels are imported)."""
+    cuda = device.split(":")[0] == "cuda"
+    if backend == "torch" or (backend == "auto" and not cuda):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return f"{backend!r} runs Triton kernels on {device!r}, and Triton is not installed; use kernel_backend='torch'"
+    if not cuda and os.environ.get("TRITON_INTERPRET", "0").lower() in ("", "0", "false", "off", "no"):
+        return (f"'triton' on device {device!r} runs only under Triton's interpreter (set TRITON_INTERPRET=1 before "
+                f"kvlab's kernels are imported: kernel tests); use kernel_backend='torch', or 'auto' (Triton on "
+                f"CUDA, torch on CPU)")
+    return None

@@ -2,8 +2,11 @@
 
     run_experiment(cfg, run_dir)   # cfg: a composed kvlab config (DictConfig or dict)
 
-1. `kvlab.config.validate` checks the config (no model is loaded before it passes);
+1. `kvlab.config.validate` checks the config against its schema;
 2. in a sweep, a job whose finished record (same config hash) already exists is skipped;
+   otherwise `kvlab.preflight.check_before_load` checks what the model's shape (read without its
+   weights) and the data folder decide (no model is loaded before both checks pass); a config error
+   is a ConfigError, recorded as a failed run, also when the engine refuses its options as it is built;
 3. the local record (kvlab.loggers.local) and W&B (if configured) are opened, with the
    resolved config and the run's metadata (git commit, seed, package versions);
 4. the LLM is built, the task then the workload run, their metrics / tables / figures are logged;
@@ -29,6 +32,7 @@ from typing import Any
 from kvlab.config import ConfigError, engine_options, import_target, validate
 from kvlab.loggers import LocalLogger, Loggers
 from kvlab.loggers.local import RECORD
+from kvlab.preflight import check_before_load, one_line
 from kvlab.tasks.base import Result, RunContext
 from kvlab.tasks.data import REPO_ROOT, resolve_data_dir
 
@@ -86,30 +90,83 @@ def reference_kwargs(kwargs: dict) -> dict:
 
 
 def find_finished(sweep_dir: Path, digest: str) -> Path | None:
-    """A run folder under `sweep_dir` whose record finished with config hash `digest`."""
+    """A run folder under `sweep_dir` whose record finished with config hash `digest` (a record that
+    cannot be read is not a finished run: warned about, and the job runs again)."""
     for record in sorted(Path(sweep_dir).rglob(RECORD)):
-        events = read_record(record)
+        try:
+            events = read_record(record)
+        except RecordError as exc:
+            log.warning("not a finished run (its record is broken): %s", exc)
+            continue
         start, finish = events.get("start", {}), events.get("finish", {})
         if finish.get("status") == "finished" and start.get("meta", {}).get("config_hash") == digest:
             return record.parent
     return None
 
 
+RECORD_EVENTS = ("start", "metrics", "table", "figure", "finish")  # what kvlab.loggers.local writes
+
+
+class RecordError(ValueError):
+    """A run.jsonl that is not a run's record; the message names the file and the line."""
+
+
 def read_record(path: Path) -> dict[str, dict]:
-    """{event: last record of that event} of a run.jsonl (metrics events merged)."""
+    """{event: last record of that event} of a run.jsonl (metrics events merged).
+
+    Raises RecordError naming the file and line of the first line that is not one of RECORD_EVENTS
+    as a JSON object, a first event other than `start` (with its config), or a metric or summary
+    value that is not a number (None stands for NaN). A last line without its newline that does not
+    parse was cut by a crash: it is left out, with a warning."""
     events: dict[str, dict] = {}
     metrics: dict = {}
     with open(path) as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-            if event.get("event") == "metrics":
-                metrics.update(event.get("metrics") or {})
-            events[event.get("event")] = event
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        event = _record_event(path, number, line, cut=number == len(lines) and not line.endswith("\n"))
+        if event is None:
+            continue
+        if not events and event["event"] != "start":
+            raise RecordError(f"{path}:{number}: the record does not begin with its start line (got a "
+                              f"{event['event']!r} event); it is not a complete kvlab run record")
+        if event["event"] == "metrics":
+            metrics.update(event.get("metrics") or {})
+        events[event["event"]] = event
+    if not events:
+        raise RecordError(f"{path}: empty record (no start line)")
     events["metrics"] = {"metrics": metrics}
     return events
+
+
+def _record_event(path: Path, number: int, line: str, cut: bool) -> dict | None:
+    """One line of a record, checked (RecordError naming `path`:`number`); None for a line cut by a crash."""
+    where = f"{path}:{number}"
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError as exc:
+        if cut:
+            log.warning("%s: left out a last line cut short (a crash while writing?): %s", where, exc)
+            return None
+        raise RecordError(f"{where}: not a JSON line ({exc.msg}): {line.strip()[:80]!r}") from None
+    if not isinstance(event, dict) or event.get("event") not in RECORD_EVENTS:
+        got = event.get("event") if isinstance(event, dict) else type(event).__name__
+        raise RecordError(f"{where}: not a record event (got {got!r}; expected one of {', '.join(RECORD_EVENTS)})")
+    if event["event"] == "start" and not isinstance(event.get("config"), dict):
+        raise RecordError(f"{where}: the start line has no config mapping")
+    for key in ("metrics", "summary"):
+        if key in event:
+            _check_numbers(where, key, event[key])
+    return event
+
+
+def _check_numbers(where: str, key: str, values: Any) -> None:
+    if values is None:
+        return
+    if not isinstance(values, dict):
+        raise RecordError(f"{where}: {key} must be a mapping of names to numbers, got {type(values).__name__}")
+    for name, value in values.items():
+        if value is not None and not isinstance(value, (int, float)):  # bool is an int
+            raise RecordError(f"{where}: {key} {name!r} is {value!r}, not a number")
 
 
 def seed_everything(seed: int) -> None:
@@ -122,9 +179,14 @@ def seed_everything(seed: int) -> None:
 
 
 def build_llm(kwargs: dict):
+    """kvlab.LLM(**kwargs); what the engine refuses while it is built (a ValueError or TypeError: options
+    that do not go together, a pool or format that does not fit the model) is a ConfigError."""
     from kvlab import LLM
 
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(one_line(exc)) from exc
 
 
 def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None = None,
@@ -133,15 +195,15 @@ def run_experiment(cfg: Any, run_dir: str | Path, sweep_dir: str | Path | None =
     run_dir = Path(run_dir)
     try:
         config = validate(cfg)
-    except ConfigError as exc:
-        record_config_error(cfg, run_dir, job_name, exc)
-        raise
-    digest = config_hash(config)
-    if config["skip_existing"] and sweep_dir is not None:
-        done = find_finished(Path(sweep_dir), digest)
+        digest = config_hash(config)
+        done = find_finished(Path(sweep_dir), digest) if config["skip_existing"] and sweep_dir is not None else None
         if done is not None:
             log.info("skipped %s: a finished run with the same config (%s) is in %s", job_name, digest, done)
             return None
+        check_before_load(config)
+    except ConfigError as exc:
+        record_config_error(cfg, run_dir, job_name, exc)
+        raise
     name = f"{config['name']}/{job_name}" if job_name else config["name"]
     loggers = Loggers([LocalLogger()] + ([import_target(config["logger"]["_target_"], "logger._target_")(
         **{k: v for k, v in config["logger"].items() if k != "_target_"})] if config["logger"] else []))

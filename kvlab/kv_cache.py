@@ -3,14 +3,16 @@
 Every layer group has the same number of layers (kvlab.block_manager), so the pool is stored per
 layer *slot within a group*. What a page holds is the format's business (kvlab.quant.base):
 
-    element-wise formats (fp32 / bf16 / fp16 / fp8):
+    element-wise formats (fp32 / bf16 / fp16, fp8 with a fixed scale):
         k[s], v[s]:     [num_pages + 1, block_size, heads, head_dim]  (storage dtype; heads = num_kv_heads,
                         or 1 where every (layer, KV head) has its own table: per-head budgets)
-        scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32, or None
-    packed formats (int8 / int4 / int2): k[s], v[s] are kvlab.quant.page_store.PageStore objects,
+        scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32 fixed by the configuration, or None
+    packed formats (int8 / int4 / int2, fp8 with per-token scales): k[s], v[s] are kvlab.quant.page_store.PageStore objects,
         a dict of page parts each [num_pages + 1, *part shape] (codes, scales, zero points), plus
-        rows of the full-precision residual area [rows, block_size, heads, D] when the format keeps
-        a residual window (which page is open lives in the one `ResidualArea`).
+        full-precision residual rows [block_size, heads, D] when the format keeps a residual window
+        (which page is open, and where its row lives, is the one `ResidualArea`'s): with a lessor
+        (the engine's) each row lives in the codes of pool pages leased while its page is open
+        (kvlab.quant.lease); without one, in a separate area of `residual_rows` rows.
 
 Layer `l` of group `g` at slot `s` reads and writes page `p` at `k[s][p]`; a page belongs to one
 group at a time (the block manager hands it out), so layers of different groups never meet in it.
@@ -18,8 +20,6 @@ The last page (`null_page`) stays zero: released table entries and padding point
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -42,26 +42,22 @@ def bytes_per_block(groups: list[LayerGroup], block_size: int, num_kv_heads: int
     return len(groups[0].layers) * block_size * per_token
 
 
-def residual_bytes_per_row(groups: list[LayerGroup], block_size: int, num_kv_heads: int, head_dim: int,
-                           compute_dtype: torch.dtype) -> int:
-    """Bytes one row of the residual area costs (a page of K and V in full precision, every layer of a group)."""
-    heads = heads_per_page(groups, num_kv_heads)
-    return 2 * len(groups[0].layers) * block_size * heads * head_dim * compute_dtype.itemsize
-
-
-def residual_rows_needed(quant: QuantFormat, num_groups: int, block_size: int, max_num_seqs: int) -> int:
-    """Rows for `max_num_seqs` sequences: per (sequence, group) the pages within the window plus the
-    partly filled one."""
-    if quant.residual is None:
-        return 0
-    return max_num_seqs * num_groups * (math.ceil(quant.residual / block_size) + 1)
+def pages_per_row(codecs: tuple, block_size: int, heads: int, head_dim: int, residual_dtype: torch.dtype) -> int:
+    """Pages whose codes hold one residual row (a page's K or V in `residual_dtype`): int4 codes
+    with float32 rows, 8; 0 when the codes do not divide a row evenly (rows then need an area)."""
+    row = block_size * heads * head_dim * residual_dtype.itemsize
+    codes = {c.parts(block_size, heads, head_dim)["data"].nbytes for c in codecs}
+    code = codes.pop() if len(codes) == 1 else 0
+    return row // code if code and row % code == 0 and code % residual_dtype.itemsize == 0 else 0
 
 
 class KVCache:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, quant: QuantFormat, compute_dtype: torch.dtype, device: torch.device | str,
-                 residual_rows: int | None = None):
-        """`residual_rows`: rows of the residual area (formats with a residual window; default one per page)."""
+                 residual_rows: int | None = None, lessor=None):
+        """Formats with a residual window: `lessor` (kvlab.quant.lease.PageLessor) leases each open page's
+        row from the pool's free pages; without one, `residual_rows` rows of an area of their own
+        (default one per page)."""
         quant.check_shape(num_kv_heads, head_dim, block_size)
         self.groups = groups
         self.quant = quant
@@ -78,10 +74,9 @@ class KVCache:
         heads = heads_per_page(groups, num_kv_heads)
         self.area: ResidualArea | None = None
         if quant.packed:
+            self.codecs = quant.codecs(block_size, head_dim)
             if quant.residual is not None:
-                rows = num_blocks if residual_rows is None else residual_rows
-                self.area = ResidualArea(num_blocks + 1, rows, device)
-            self.codecs = quant.codecs()
+                self.area = self._residual_area(num_blocks, block_size, heads, head_dim, device, residual_rows, lessor)
             make = lambda codec: PageStore(codec, num_blocks + 1, block_size, heads, head_dim,  # noqa: E731
                                            self.area, quant.residual_storage_dtype(compute_dtype), device)
             self._k = [make(self.codecs[0]) for _ in range(per_group)]
@@ -91,13 +86,18 @@ class KVCache:
             shape = (num_blocks + 1, block_size, heads, head_dim)
             self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
             self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
-        self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.groups_of}
-        self._calibrated: set[int] = set()
+        self.scales = {layer: quant.init_scales(num_kv_heads, device) for layer in self.groups_of}  # fixed
         self.sparse_read = None  # kvlab.sparse_read.SparseRead, set by the engine for a policy that reads
         # selected pages at decode: it keeps page key summaries from every store, copy and move
         self._step: dict[int, tuple[torch.Tensor, set[int] | None]] = {}  # group -> (slot mapping, pages to seal)
         self._plans: dict[int, WritePlan] = {}
         self._busy: set[int] = set()
+
+    def _residual_area(self, num_blocks, block_size, heads, head_dim, device, rows, lessor) -> ResidualArea:
+        k = pages_per_row(self.codecs, block_size, heads, head_dim, self.quant.residual_storage_dtype(self.compute_dtype))
+        if lessor is not None and k:
+            return ResidualArea(num_blocks + 1, num_blocks // k, device, k, lessor)
+        return ResidualArea(num_blocks + 1, num_blocks if rows is None else rows, device)
 
     @property
     def residual(self) -> int | None:
@@ -117,6 +117,7 @@ class KVCache:
         leave it this step (kvlab.attention.plan_step). Write plans are built at each group's first store."""
         if self.area is not None:
             self.area.end_step()
+            self.release_unheld()
         self._plans.clear()
         self._step = {g: (m, None if seal_pages is None else seal_pages[g]) for g, m in enumerate(slot_mappings)}
         if self.area is not None:
@@ -139,7 +140,20 @@ class KVCache:
 
     def _seal_untouched(self, seal: set[int], touched: set[int]) -> None:
         """Pages that left the window without being written this step: encode them from their rows."""
-        pages = {p: self.area.row(p) for p in seal - touched if self.area.row(p) >= 0}
+        self._seal_now({p: self.area.row(p) for p in seal - touched if self.area.row(p) >= 0})
+
+    def release_unheld(self) -> None:
+        """Leased rows go back to the pool when no sequence needs them: rows of pages sealed this step,
+        and rows of open pages no table holds any more (encoded into their parts first, so a finished
+        request's prefix-cached page stays findable, sealed). Called at each step's start and, by the
+        engine, whenever a sequence's pages are freed (never while a step's layers are writing)."""
+        if self.area is None or self.area.lessor is None:
+            return
+        self.area.end_step()
+        self._seal_now(self.area.unheld())
+
+    def _seal_now(self, pages: dict[int, int]) -> None:
+        """Encode open pages (page -> row) from their rows and free the rows at once."""
         if not pages:
             return
         device = self.area.row_of.device
@@ -168,10 +182,6 @@ class KVCache:
             self.k(layer).write(key, plan)
             self.v(layer).write(value, plan)
             return
-        scales = self.scales[layer]
-        if scales is not None and layer not in self._calibrated:
-            self.quant.calibrate(key, value, scales)  # every head's scale, from the layer's first chunk
-            self._calibrated.add(layer)
         k_scale, v_scale = self.head_scales(layer, head)
         if head is not None:
             key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
@@ -216,6 +226,7 @@ class KVCache:
             store.copy_pages(src, dst)
         if self.area is None:
             return
+        self.release_unheld()  # before taking rows: a freed page's leased row is not taken twice
         row_pairs = []
         for s, d in pairs:
             rs = self.area.row(s)
@@ -298,10 +309,15 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def residual_nbytes(self) -> int:
-        """Bytes of the full-precision residual area (0 without one)."""
-        if self.area is None:
+        """Bytes of a residual area of its own (0 without one, and where rows are leased from the pool's
+        pages: those bytes are the pool's)."""
+        if self.area is None or self.area.lessor is not None:
             return 0
         return sum(s.residual.numel() * s.residual.element_size() for s in (*self._k, *self._v))
+
+    def leased_pages(self) -> int:
+        """Pool pages residual rows hold now (leased from the allocator's free pages)."""
+        return 0 if self.area is None or self.area.lessor is None else self.area.num_leased * self.area.k
 
     def nbytes(self) -> int:
         """Everything the cache holds: pool, residual area and per-layer scales."""

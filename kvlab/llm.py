@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Sequence as Seq
 
 from kvlab.engine_config import EngineConfig
 from kvlab.llm_engine import LLMEngine, as_token_ids
 from kvlab.models import LoadedModel
-from kvlab.outputs import RequestOutput, ScoreOutput
-from kvlab.sampling_params import SamplingParams
+from kvlab.outputs import RequestOutput, ScoreOutput, merge_samples
+from kvlab.sampling_params import SamplingParams, as_sampling_params
 from kvlab.sequence import Sequence
 
 Prompt = str | list[int]
@@ -31,9 +32,9 @@ class LLM:
 
     # -- generation ----------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput | list[RequestOutput]]:
-        """Generate for every prompt; outputs come back in input order, one per prompt: a RequestOutput,
-        or for a prompt sampled with `n > 1`, the list of its n RequestOutputs (by `sample_index`).
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order, one RequestOutput per prompt, its
+        `outputs` the prompt's n completions (by index; `out.text` / `out.token_ids` read the first).
 
         A prompt is a string or token ids (a list, tuple, 1-D tensor or numpy array of integers).
         All or nothing: every request is validated before any is queued, so a bad one raises
@@ -104,9 +105,8 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
         except BaseException:
-            for seq in seqs:
-                if seq.seq_id not in done:
-                    self.engine.abort(seq.seq_id)
+            for seq in seqs:  # also when its first sample finished: abort() stops the samples still running
+                self.engine.abort(seq.seq_id)
             raise
         finally:
             if bar is not None:
@@ -115,8 +115,8 @@ class LLM:
         for out in done.values():
             if isinstance(out, RequestOutput):
                 groups.setdefault(out.group_id, []).append(out)
-        return [done[s.seq_id] if n == 1 else sorted(groups[s.seq_id], key=lambda o: o.sample_index)
-                for s, n in zip(seqs, ns)]
+        return [merge_samples(s.seq_id, groups[s.seq_id]) if isinstance(done[s.seq_id], RequestOutput)
+                else done[s.seq_id] for s in seqs]
 
     # -- metrics -------------------------------------------------------------
     def stats(self) -> dict:
@@ -132,6 +132,8 @@ class LLM:
         """One prompt (a string or token ids) or a sequence of them -> a list of prompts."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts given: pass at least one string or list of token ids")
@@ -141,8 +143,8 @@ class LLM:
     def _params_list(params, n: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * n
-        if isinstance(params, SamplingParams):
-            return [params] * n
+        if isinstance(params, (SamplingParams, Mapping, str, bytes)) or not hasattr(params, "__iter__"):
+            return [as_sampling_params(params)] * n  # a dict or anything else: a TypeError saying what it is
         params = list(params)
         if len(params) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params")

@@ -14,7 +14,6 @@ import inspect
 import math
 import numbers
 import time
-import warnings
 from typing import Callable
 
 import torch
@@ -25,20 +24,22 @@ from kvlab.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
-from kvlab.kv_cache import KVCache, bytes_per_block, residual_bytes_per_row, residual_rows_needed
-from kvlab.metrics import Metrics
+from kvlab.kv_cache import KVCache, bytes_per_block
+from kvlab.metrics import Metrics, tokens_per_page
 from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
-from kvlab.outputs import RequestOutput, ScoreOutput
+from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from kvlab.prefix_cache import PrefixCache, PrefixStats
+from kvlab.quant.lease import lessor_for
 from kvlab.radix_cache import RadixCache
 from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
-from kvlab.sampler import request_generator, sample
-from kvlab.sampling_params import SamplingParams
+from kvlab.sampler import SamplingError, request_generator, sample
+from kvlab.sampling_params import SamplingParams, as_sampling_params
 from kvlab.scheduler import Scheduler
 from kvlab.sequence import Sequence
 from kvlab.sparse_read import SparseRead, SparseReadPolicy, check_engine
 from kvlab.speculation import Speculator
+from kvlab.stop_strings import StopStrings
 
 
 def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
@@ -84,15 +85,10 @@ def check_backend_reads(quant, config: EngineConfig) -> None:
 
 def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> tuple[int, int]:
-    """(rows, bytes) of the full-precision residual area of a format with a residual window: enough
-    for max_num_seqs sequences, at most half the byte budget (beyond it, pages are quantised early)."""
-    if not quant.packed or quant.residual is None:
-        return 0, 0
-    row_bytes = residual_bytes_per_row(groups, config.block_size, num_kv_heads, head_dim,
-                                       quant.residual_storage_dtype(dtype))
-    rows = residual_rows_needed(quant, len(groups), config.block_size, config.max_num_seqs)
-    rows = min(rows, int(config.kv_cache_memory // 2 // row_bytes))
-    return rows, rows * row_bytes
+    """(rows, bytes) of a residual area paid for before the pages: none. A format with a residual window
+    leases each open page's full-precision row from the pool's free pages while the page is open
+    (kvlab.quant.lease), so the whole budget buys pages and rows cost pages only while in use."""
+    return 0, 0
 
 
 class LLMEngine:
@@ -134,10 +130,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mc = self.model.config
         self.model_config = mc
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            warnings.warn(f"max_model_len={config.max_model_len} is longer than the model's context of "
-                          f"{mc.max_position_embeddings} tokens; using {mc.max_position_embeddings}", stacklevel=3)
+            raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context of "
+                             f"{mc.max_position_embeddings} tokens (max_position_embeddings): set max_model_len <= "
+                             f"{mc.max_position_embeddings}, or None for the model's context")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bos = getattr(self.tokenizer, "bos_token_id", None)
         self.bos_token_id = bos if bos is not None else getattr(mc, "bos_token_id", None)
         eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
@@ -148,7 +145,7 @@ class LLMEngine:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
-        residual_rows, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)
+        _, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
         num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
         self.bytes_per_block = per_block
         if num_blocks < 1:
@@ -169,7 +166,9 @@ class LLMEngine:
                                           num_blocks, config.block_size, self.max_model_len,
                                           max_chunk, prefix_cache, match, self._kept_tokens(groups))
         self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
-                             config.device, residual_rows=residual_rows)
+                             config.device, lessor=lessor_for(self.quant, self.block_manager.allocator,
+                                                              config.block_size))
+        self.block_manager.on_free = self.cache.release_unheld  # leased residual rows follow their pages
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
             self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
                                                 dtype, config.device)
@@ -187,6 +186,8 @@ class LLMEngine:
             if self.policy.compresses else None
         if self.compressor:
             self.policy.bind(self.model)
+        if self.compressor or self.cache.sparse_read is not None:
+            self.scheduler.stop_at = self._chunk_end  # so that a recompute rebuilds what the first pass did
         self.speculator = None
         if self.draft is not None:
             self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
@@ -197,6 +198,17 @@ class LLMEngine:
         self._return_dists: set[int] = set()
         self._samples: dict[int, tuple[int, int]] = {}  # parallel sampling: seq id -> (group id, sample index)
         self._groups: dict[int, list[int]] = {}  # group id (the first sample's id) -> ids of its unfinished samples
+
+    def _chunk_end(self, seq: Sequence) -> int | None:
+        """The computed-token count a chunk of `seq` must not pass (None: any): its next compression point
+        (compression points are in token time); under sparse reading, the prompt's end, then one token a
+        step (a decode row reads the pages the policy selects, a longer chunk reads every page densely)."""
+        point = self.compressor.next_point(seq) if self.compressor else None
+        if self.cache.sparse_read is not None and not seq.is_scoring:
+            done = seq.num_computed_tokens
+            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1
+            point = read if point is None else min(point, read)
+        return point
 
     def _kept_tokens(self, groups: list[LayerGroup]) -> Callable[[int, int], int] | None:
         """For admission: (group, prompt tokens) -> tokens the group keeps of the prompt, when the policy
@@ -226,6 +238,22 @@ class LLMEngine:
         return Metrics(pool_slots=bm.num_blocks * bm.block_size, num_blocks=bm.num_blocks)
 
     # -- requests ------------------------------------------------------------
+    def check_params(self, params) -> SamplingParams:
+        """`params` if this engine can run them; else an error naming what cannot run (before any step)."""
+        params = as_sampling_params(params)
+        if params.n > 1 and self.speculator is not None:
+            raise ValueError(f"SamplingParams(n={params.n}) with draft {self.config.draft!r} is not supported yet "
+                             f"(forked samples would share tentative slots); use n=1 or draft=None")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab}): it can never "
+                             f"be generated")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(params.stop)!r} are matched on the detokenised output, and this "
+                             f"model has no tokenizer (random weights): use stop_token_ids")
+        return params
+
     def make_sequence(self, prompt_token_ids, params: SamplingParams, arrival_time: float | None = None,
                       score_from: int | None = None) -> Sequence:
         """Validate a request and build its sequence, without queueing it.
@@ -234,12 +262,8 @@ class LLMEngine:
         a `time.perf_counter()` reading (the engine's clock), default now. Scoring requests pass
         context + continuation as the prompt and the context length as `score_from`.
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = self.check_params(params)
         ids = as_token_ids(prompt_token_ids)
-        if params.n > 1 and self.speculator is not None:
-            raise ValueError(f"SamplingParams(n={params.n}) with draft {self.config.draft!r} is not supported yet "
-                             f"(forked samples would share tentative slots); use n=1 or draft=None")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         vocab = self.model_config.vocab_size
@@ -298,7 +322,8 @@ class LLMEngine:
 
         `arrival_time` is a `time.perf_counter()` reading (default: now); TTFT counts from it.
         """
-        return self.add_sequence(self.make_sequence(prompt_token_ids, params or SamplingParams(), arrival_time))
+        params = SamplingParams() if params is None else params
+        return self.add_sequence(self.make_sequence(prompt_token_ids, params, arrival_time))
 
     def fork(self, request_id: int, params: SamplingParams | None = None) -> int:
         """A new request continuing a running generation request from where it is: it shares every
@@ -315,6 +340,8 @@ class LLMEngine:
                                                                 self.max_model_len), parent.arrival_time)
         child.num_prompt_tokens, child.first_token_time = parent.num_prompt_tokens, parent.first_token_time
         self.block_manager.fork(parent, child)
+        if self.compressor:
+            self.compressor.fork(parent, child)
         self.scheduler.admit_forked(child, parent.num_computed_tokens)
         if not params.greedy:
             self._generators[seq_id] = request_generator(self.config.seed, seq_id, params.seed)
@@ -337,6 +364,8 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_time = time.perf_counter()
+        if self.compressor:
+            self.compressor.forget(seq)
         if self.speculator:
             self.speculator.forget(seq)
         self._generators.pop(seq.seq_id, None)
@@ -354,14 +383,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput | ScoreOutput]:
         """Run one engine step; returns the outputs of the requests that finished in it.
 
-        If the step fails (the model or the sampler raises), its sequences give their pages back and
-        wait to be recomputed, so the engine stays usable; the exception propagates (abort the
-        requests that caused it, or they fail again).
+        If a stage fails (scheduling, the model, the sampler, verification, advancing, compression), the
+        step's sequences give their pages back and wait to be recomputed from their tokens, as if the step
+        had never run (the tokens it sampled are not appended, the samples it spawned are dropped), so
+        the engine stays usable; the exception propagates (abort the requests that caused it, or they
+        fail again).
         """
         t0 = time.perf_counter()
+        streams = self._stream_states(self.scheduler.running)  # drafts and samples draw from them this step
         if self.speculator:
             self.speculator.propose(self.scheduler.running, self._generators)
-        batch = self.scheduler.schedule()
+        batch = self._schedule(streams)
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
@@ -370,24 +402,17 @@ class LLMEngine:
         if self.compressor:
             due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
             rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        spawned: list[tuple[Sequence, list[Sequence]]] = []
+        spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]] = []
         try:
             out = self.runner.run(batch, rows if rows and any(rows) else None,
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
             spawned = self._spawn_samples(out)
             tokens = self._sample(out)
             verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
+            self._commit(batch, out, spawned, due, rejected)
         except BaseException:
-            for _, children in spawned:
-                for child in children:
-                    self._generators.pop(child.seq_id, None)
-            self.scheduler.unschedule(batch)
+            self._roll_back(batch, spawned, streams)
             raise
-        self.scheduler.advance(batch, rejected)
-        self._admit_samples(spawned)
-        self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
-        if self.compressor:
-            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
         finished = self._postprocess(out, tokens, verified)
         for seq in self.scheduler.running:
             self.block_manager.release_out_of_window(seq)
@@ -399,18 +424,82 @@ class LLMEngine:
         if seq.is_scoring:
             dists = torch.stack(seq.dists) if seq.dists else None
             return ScoreOutput(seq.seq_id, seq.logprobs, dists, seq.num_preemptions)
-        tok = self.tokenizer
-        text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
         group, index = self._samples.pop(seq.seq_id, (seq.seq_id, 0))
         if group in self._groups:
             self._groups[group].remove(seq.seq_id)
             if not self._groups[group]:
                 del self._groups[group]
-        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, seq.ttft, seq.tpot, seq.num_preemptions, group, index)
+        stops = seq.stop_strings
+        if stops is not None and stops.matched is not None:  # the text cut at the stop string
+            text, stop_reason = stops.text, stops.matched
+        else:
+            tok = self.tokenizer
+            text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
+            stop_reason = self._stop_token(seq)
+        completion = CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, stop_reason, seq.tpot,
+                                      seq.num_preemptions)
+        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.ttft, group)
+
+    def _schedule(self, streams: dict[int, torch.Tensor]):
+        """The step's batch. Preempted sequences lose their compressor state (a recompute rebuilds it); if
+        scheduling raises (the scheduler then put back what it had scheduled), the streams are put back."""
+        try:
+            batch = self.scheduler.schedule()
+        except BaseException:
+            self._restore_streams(streams)
+            self._forget_compressed(self.scheduler.waiting)
+            raise
+        self._forget_compressed(batch.preempted)
+        streams.update(self._stream_states([s for s in batch.seqs if s.seq_id not in streams]))
+        return batch
+
+    def _commit(self, batch, out, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]],
+                due: list[bool] | None, rejected: dict[int, int] | None) -> None:
+        """The forward pass ran: advance the batch's token progress, compress the sequences due, then
+        fork the new samples from what the policy kept."""
+        self.scheduler.advance(batch, rejected)
+        self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
+        if self.compressor:
+            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
+        self._admit_samples(spawned)
+
+    def _stream_states(self, seqs) -> dict[int, torch.Tensor]:
+        """The random streams of the sampled requests among `seqs`, as they are now (a failed step gives
+        them back: a retried step draws what the step would have drawn)."""
+        return {s.seq_id: self._generators[s.seq_id].get_state() for s in seqs if s.seq_id in self._generators}
+
+    def _roll_back(self, batch, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]],
+                   streams: dict[int, torch.Tensor]) -> None:
+        """A stage of the step failed: drop the samples it spawned (their request spawns them again when it
+        samples its first token) and put every sequence of the batch back in the queue, its pages freed,
+        its compressor state dropped and its random stream as it was, to be recomputed from its tokens
+        (none of this step's is kept)."""
+        self._restore_streams(streams)
+        for parent, params, children in spawned:
+            parent.params = params
+            self._groups.pop(parent.seq_id, None)
+            self._samples.pop(parent.seq_id, None)
+            for child in children:
+                self._samples.pop(child.seq_id, None)
+                self._generators.pop(child.seq_id, None)
+                self.scheduler.abort(child.seq_id)  # if it was admitted: its pages go back
+            self._forget_compressed(children)
+        self.scheduler.unschedule(batch)
+        self._forget_compressed(batch.seqs)
+
+    def _restore_streams(self, streams: dict[int, torch.Tensor]) -> None:
+        for seq_id, state in streams.items():
+            if seq_id in self._generators:
+                self._generators[seq_id].set_state(state)
+
+    def _forget_compressed(self, seqs) -> None:
+        """`seqs` will be recomputed from scratch (or were dropped): the compressor forgets them."""
+        if self.compressor:
+            for seq in seqs:
+                self.compressor.forget(seq)
 
     # -- parallel sampling ---------------------------------------------------
-    def _spawn_samples(self, out) -> list[tuple[Sequence, list[Sequence]]]:
+    def _spawn_samples(self, out) -> list[tuple[Sequence, SamplingParams, list[Sequence]]]:
         """Requests with n > 1 sampling their first token now: n - 1 more samples of the same prompt,
         each drawing from the same logits row with its own generator (`SamplingParams.for_sample`)."""
         spawned = []
@@ -426,17 +515,21 @@ class LLMEngine:
                     self._generators[seq_id] = request_generator(self.config.seed, seq_id, child.params.seed)
                 out.sample_rows.append((child, row))
                 children.append(child)
-            spawned.append((seq, children))
+            spawned.append((seq, params, children))
         return spawned
 
-    def _admit_samples(self, spawned: list[tuple[Sequence, list[Sequence]]]) -> None:
-        """The step ran: the new samples share every page of their first sample (copy-on-write)."""
-        for parent, children in spawned:
-            parent.params = parent.params.for_sample(0)
+    def _admit_samples(self, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]]) -> None:
+        """The step ran and its prompt was compressed: the new samples share every page of their first
+        sample as the policy left them (copy-on-write) and start from its compressor state, so each goes
+        on as a separate request with its seed would."""
+        for parent, params, children in spawned:
+            parent.params = params.for_sample(0)
             self._groups[parent.seq_id] = [parent.seq_id] + [c.seq_id for c in children]
             for i, seq in enumerate([parent, *children]):
                 self._samples[seq.seq_id] = (parent.seq_id, i)
             for child in children:
+                if self.compressor:
+                    self.compressor.fork(parent, child)
                 self.block_manager.fork(parent, child)
                 self.scheduler.admit_forked(child, parent.num_computed_tokens)
 
@@ -446,7 +539,12 @@ class LLMEngine:
             return []
         rows = torch.tensor([r for _, r in out.sample_rows])
         seqs = [s for s, _ in out.sample_rows]
-        return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
+        try:
+            return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
+        except SamplingError as exc:
+            seq = seqs[exc.row]
+            raise RuntimeError(f"request {seq.seq_id}: sampling failed ({exc.cause}); the step was undone and the "
+                               f"request fails again if retried: abort it (engine.abort({seq.seq_id}))") from exc
 
     def _postprocess(self, out, tokens: list[int], verified: list[tuple[Sequence, list[int]]] = ()) -> list[Sequence]:
         """Append each sequence's new tokens (one, or a verified speculative run) one by one: a stop
@@ -472,11 +570,32 @@ class LLMEngine:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why `seq` finishes with `token` (just appended), checked in vLLM's order: EOS, a stop token, a
+        stop string the token completed, then the length limits; None to go on."""
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            return "stop"
+        if seq.params.stop and self._stop_strings(seq).append(token):
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _stop_strings(self, seq: Sequence) -> StopStrings:
+        """The sequence's stop-string matcher, made at its first generated token (a fork's at its first
+        own token, primed with the output it inherited)."""
+        if seq.stop_strings is None:
+            tok = self.tokenizer
+            seq.stop_strings = StopStrings(lambda ids: tok.decode(ids, skip_special_tokens=True), seq.params.stop,
+                                           seq.params.include_stop_str_in_output)
+            seq.stop_strings.prime(seq.output_token_ids[:-1])
+        return seq.stop_strings
+
+    def _stop_token(self, seq: Sequence) -> int | None:
+        """The stop token that finished `seq` (vLLM's stop_reason), None if EOS or anything else did."""
+        last = seq.output_token_ids[-1] if seq.num_output_tokens else None
+        if seq.finish_reason != "stop" or last not in seq.params.stop_token_ids:
+            return None
+        return None if last in self.eos_token_ids and not seq.params.ignore_eos else last
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sequence:
         # the final length in the cache (the last sampled token is never written; evicted ones are gone)
@@ -501,14 +620,19 @@ class LLMEngine:
 
     # -- metrics -------------------------------------------------------------
     def stats(self) -> dict:
-        """Throughput, latency, pages of the shared pool (in total and per layer group) and waste."""
+        """Throughput, latency, KV held (pages of the shared pool, in total and per kind of layer group; their
+        bytes; their tokens: kvlab.metrics, "KV held"), waste, and the plugins' counters."""
         n_full = len(self.block_manager.full_groups)
         live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
         summary = self.metrics.summary(live)
-        for key in ("peak", "mean"):  # KV bytes held: pages held times what a page costs (scales included)
+        page_tokens = tokens_per_page(self.block_manager.groups, self.block_manager.block_size,
+                                      self.model_config.num_key_value_heads)
+        for key in ("peak", "mean"):  # pages held, in bytes (scales included) and tokens (kvlab.metrics: "KV held")
             summary[f"kv_bytes_{key}"] = summary[f"kv_blocks_{key}"] * self.bytes_per_block
+            summary[f"kv_tokens_{key}"] = summary[f"kv_blocks_{key}"] * page_tokens
         if self.compressor:
             summary.update(self.compressor.stats())
+            summary["policy_bytes_freed"] = summary["policy_pages_freed"] * self.bytes_per_block
         summary["cow_copies"] = self.block_manager.num_cow_copies
         pc = self.block_manager.prefix_cache
         if pc is not None:

@@ -15,6 +15,21 @@ A sequence's final length is only known when it finishes, so its per-step
 remain, so memory stays bounded however long the engine runs. Latencies keep
 the most recent `window` values.
 
+KV held, three ways (`LLMEngine.stats()`):
+
+- `kv_blocks_peak` / `kv_blocks_mean` (and per kind of layer group, `kv_blocks_*/<kind>`): pages of the
+  one shared pool in use (peak over steps / mean per step). A page's size depends on the layer grouping:
+  it holds `block_size` tokens of every layer of one group, and a compressing policy gives each layer (or
+  each KV head) its own table, so its pages hold one layer (or one head): up to layers x KV heads times
+  fewer bytes than a full cache's. Page counts compare only configurations with one grouping.
+- `kv_bytes_peak` / `kv_bytes_mean`: the pages in use times what one page costs (K and V of the layers
+  and heads it holds, in the cache format, scales and zero points included): comparable across
+  groupings. Not counted: the residual area of formats with a full-precision window (a fixed reservation).
+- `kv_tokens_peak` / `kv_tokens_mean`: the token slots those pages hold, per layer and KV head of the
+  model, summed over sequences (`tokens_per_page`: a page of one layer of a 30-layer model counts
+  block_size / 30): what a full cache of every layer would need to hold as much. Comparable across
+  groupings and formats; slots held but not yet written (the tail of a table's last page) count.
+
 Throughput is per second of engine work (`busy_s`: time spent inside
 `step()`), so idle time between calls does not dilute it; `elapsed_s` is the
 wall time from the first request to the last event.
@@ -141,6 +156,15 @@ class Metrics:
             out[f"kv_blocks_peak/{name}"] = self.group_blocks_peak[name]
             out[f"kv_blocks_mean/{name}"] = self.group_blocks_sum[name] / steps
         return out
+
+
+def tokens_per_page(groups, block_size: int, num_kv_heads: int) -> float:
+    """Tokens of the whole model's KV one page holds: `block_size` tokens of the layers (and KV heads) of
+    one group, as a fraction of every layer and KV head of the model (`groups`: the block manager's
+    LayerGroups, all of one layer count; a group with `head` set holds that one KV head)."""
+    num_layers = len({layer for g in groups for layer in g.layers})
+    heads = 1 if groups[0].head is not None else num_kv_heads
+    return block_size * len(groups[0].layers) * heads / (num_layers * num_kv_heads)
 
 
 def _waste(history, final_len: int) -> tuple[float, float]:

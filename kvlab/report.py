@@ -14,6 +14,9 @@ Writes, into the sweep folder or `--out`:
     leaderboard.html       one self-contained page: the table and the plots inlined (base64), no
                            external URL, opens without network
 and logs the table as a W&B Table when W&B is on (the sweep's runs logged to W&B, or --wandb on).
+A record it cannot read stops it, exit status 1, naming the file and the line
+(kvlab.experiment.read_record): no start line, a line that is not a record event, a metric that
+is not a number.
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ def make_merged_plots(merged: pd.DataFrame, out: Path) -> list[tuple[str, Path]]
 def markdown(report: Report, sweep: Path, command: str) -> str:
     lines = [f"# Leaderboard: {sweep}", "", f"Command: `{command}`", "",
              f"{len(report.board)} rows from the finished runs under `{sweep}` (kvlab.analysis.leaderboard); "
-             "`full` rows (ratio 0) are the reference. KV MiB held, tokens/s and TTFT come from the run's "
-             "workload (empty when the run had none).", ""]
+             "`full` rows (ratio 0) are the reference. KV MiB and tokens held, tokens/s, TTFT and KV MiB freed "
+             "come from the run's workload (empty when the run had none); KV is counted in bytes and tokens, "
+             "not pages, whose size depends on the layer grouping (a compressing policy's pages hold one "
+             "layer).", ""]
     if report.merged is not None:
         lines += [f"One row per policy and ratio, each task's sweep side by side ({len(report.merged)} rows; "
                   f"tasks: {report.merged['tasks'].iloc[0]}):", "",

@@ -7,6 +7,14 @@ import torch
 from kvlab.sampling_params import SamplingParams
 
 
+class SamplingError(RuntimeError):
+    """Row `row` of a batch could not be sampled (`cause`: what torch raised)."""
+
+    def __init__(self, row: int, cause: Exception):
+        super().__init__(f"row {row}: {cause}")
+        self.row, self.cause = row, cause
+
+
 def request_generator(engine_seed: int, request_id: int, seed: int | None) -> torch.Generator:
     """The random stream of one sampled request.
 
@@ -40,7 +48,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=torch.float64)
         probs = _filtered_probs(_tempered(logits[idx], temps), [params[i] for i in rows])
         for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
+            try:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
+            except RuntimeError as exc:  # e.g. NaN logits: name the row, so the engine can name the request
+                raise SamplingError(i, exc) from exc
     return tokens.tolist()
 
 

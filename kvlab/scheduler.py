@@ -12,12 +12,17 @@ recomputed later, so no request is lost or corrupted.
 to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy
 that compresses after every chunk, a prompt never holds more than its compressed past plus one
 chunk (the block manager admits it on that footprint).
+
+`stop_at` (a compressing policy's `Compressor.next_point`): no chunk runs past a sequence's next
+compression point (its prompt's end; with when="decode" every `every` tokens after it), so a
+recompute compresses at the tokens the first pass did and rebuilds exactly what it kept.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvlab.block_manager import BlockManager
 from kvlab.sequence import Sequence, SequenceStatus
@@ -28,6 +33,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
     num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # the sequences preempted while scheduling it
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -39,11 +45,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, stop_at: Callable[[Sequence], int | None] | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk  # None: a prompt's chunk is bounded by the step's budget only
+        self.stop_at = stop_at  # seq -> computed-token count its chunk must not pass (None: no limit)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -54,7 +61,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        """The step's batch; if scheduling raises, the sequences it had scheduled are put back (unschedule)."""
         batch = ScheduledBatch()
+        try:
+            self._schedule(batch)
+        except BaseException:
+            self.unschedule(batch)
+            raise
+        return batch
+
+    def _schedule(self, batch: ScheduledBatch) -> None:
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -65,9 +81,9 @@ class Scheduler:
             seq.keep_draft_tokens(n)  # draft tokens count against the token budget
             if not self._make_room(seq, n, batch):
                 continue  # seq itself was preempted; running[i] is now the next one
-            self.block_manager.append(seq, n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            self.block_manager.append(seq, n)
             budget -= n
             i += 1
         while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
@@ -83,17 +99,20 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        return batch
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step: its chunk limit within the step's budget; with
         `max_prefill_chunk`, at most that many when it has a prompt (or a recompute) to compute, never
-        past the prompt's end (a recompute chunks its prompt as the first pass did), and any decode."""
+        past the prompt's end (a recompute chunks its prompt as the first pass did), and any decode;
+        never past the sequence's next compression point (`stop_at`)."""
         n = min(seq.chunk_limit(), budget)
         if self.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
             n = min(n, self.max_prefill_chunk)
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 n = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        point = self.stop_at(seq) if self.stop_at is not None else None
+        if point is not None:
+            n = min(n, point - seq.num_computed_tokens)
         return n
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -102,6 +121,7 @@ class Scheduler:
             victim = self.running[-1]
             self.preempt(victim)
             batch.num_preempted += 1
+            batch.preempted.append(victim)
             if victim is seq:
                 return False
         return True

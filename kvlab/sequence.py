@@ -42,6 +42,7 @@ class Sequence:
         # slots; never part of token_ids until verified (kvlab/speculation.py)
         self.draft_token_ids: list[int] = []
         self.draft_parents: list[int] = []  # a token tree: parent index of each draft (-1: the last token); [] a chain
+        self.stop_strings = None  # stop strings: the matcher on the detokenised output (kvlab/stop_strings.py)
 
     @property
     def num_tokens(self) -> int:

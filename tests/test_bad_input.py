@@ -52,11 +52,14 @@ def test_max_tokens_past_the_context_is_clipped_not_an_error(llm):
     assert len(out[0].token_ids) == 4 and out[0].finish_reason == "length"
 
 
-def test_max_model_len_is_capped_by_the_models_context():
-    big = LLM(MODEL, max_model_len=10_000, kv_cache_memory=64 * BLOCK_BYTES)
-    assert big.engine.max_model_len == 512
+def test_max_model_len_past_the_models_context_is_refused():
+    with pytest.raises(ValueError, match=r"max_model_len=10000 is longer than the model's context of 512 tokens "
+                                         r"\(max_position_embeddings\): set max_model_len <= 512"):
+        LLM(MODEL, max_model_len=10_000, kv_cache_memory=64 * BLOCK_BYTES)
+    full = LLM(MODEL, max_model_len=512, kv_cache_memory=64 * BLOCK_BYTES)
+    assert full.engine.max_model_len == 512
     with pytest.raises(ValueError, match="prompt 0: prompt of 512 tokens does not fit the model's context of 512"):
-        big.generate([[5] * 512], params())
+        full.generate([[5] * 512], params())
 
 
 def test_max_tokens_below_one_is_rejected():
@@ -91,7 +94,8 @@ def test_text_prompt_without_a_tokenizer(llm):
 def test_sampling_params_must_match_the_prompts(llm):
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         llm.generate([[1, 2], [3, 4]], [params()])
-    with pytest.raises(TypeError, match="prompt 1: sampling params must be SamplingParams, got dict"):
+    with pytest.raises(TypeError, match=r"prompt 1: sampling params must be SamplingParams, got a dict "
+                                        r"\{'max_tokens': 3\}: build them with SamplingParams\(\*\*params\)"):
         llm.generate([[1, 2], [3, 4]], [params(), {"max_tokens": 3}])
     assert_idle(llm)
 
@@ -169,7 +173,8 @@ def test_budget_too_small_for_one_sequence_names_the_need_and_the_pool():
 
 
 def test_contiguous_reservation_counts_against_the_pool():
-    small = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=2 * BLOCK_BYTES, allocator="contiguous")
+    small = LLM(MODEL, max_model_len=64, block_size=16, kv_cache_memory=2 * BLOCK_BYTES, allocator="contiguous",
+                allocator_args={"reserve": "max_model_len"})
     with pytest.raises(ValueError, match=r"request needs 4 blocks of 16 tokens .* the KV pool has only 2"):
         small.generate([[4] * 5], SamplingParams(max_tokens=1))  # reserves max_model_len = 64 tokens
     assert not small.engine.has_unfinished()
@@ -299,7 +304,7 @@ def test_unknown_draft_and_parameter_are_named():
 def test_draft_with_a_compressing_policy_fails_before_the_model():
     with pytest.raises(ValueError, match=r"draft 'ngram' with policy 'streaming_llm': speculative decoding does "
                                          r"not run with a compressing policy yet"):
-        LLM("does-not-exist", draft="ngram", policy="streaming_llm")
+        LLM("does-not-exist", draft="ngram", policy="streaming_llm", policy_args={"budget": 64})
 
 
 def test_model_draft_needs_the_targets_vocabulary():

@@ -16,7 +16,8 @@ def rows(result, *names):
 
 def test_contiguous_max_reservation_by_hand():
     # 4 blocks of 4 slots; one request of 3 prompt + 2 output tokens (final length 4) reserves max_model_len = 8
-    r = replay_bookkeeping([TraceRequest(0.0, 3, 2)], "contiguous", {}, block_size=4, kv_tokens=16, max_model_len=8,
+    r = replay_bookkeeping([TraceRequest(0.0, 3, 2)], "contiguous", {"reserve": "max_model_len"}, block_size=4,
+                           kv_tokens=16, max_model_len=8,
                            step_s=1.0, token_s=0.0)
     assert rows(r, "time_s", "running", "tokens", "reservation", "internal", "external", "free") == [
         (1.0, 1, 3, 1, 4, 0, 8),  # prefill: 3 written, 1 still to come, 8 - 4 never used
@@ -64,7 +65,8 @@ def test_breakdown_adds_up_and_paging_keeps_its_bound(trace, block_size, allocat
 def test_paging_holds_more_sequences_than_max_reservation():
     reqs = [TraceRequest(0.01 * i, 40, 20) for i in range(40)]
     paged = replay_bookkeeping(reqs, "paged", {}, 16, kv_tokens=1024, max_model_len=256)
-    contiguous = replay_bookkeeping(reqs, "contiguous", {}, 16, kv_tokens=1024, max_model_len=256)
+    contiguous = replay_bookkeeping(reqs, "contiguous", {"reserve": "max_model_len"}, 16, kv_tokens=1024,
+                                    max_model_len=256)
     assert contiguous.summary["max_concurrent_seqs"] == 4  # 1024 / 256
     assert paged.summary["max_concurrent_seqs"] > 3 * 4
     assert paged.summary["busy_token_share_of_used"] > 0.8 > 0.5 > contiguous.summary["busy_token_share_of_used"]

@@ -75,14 +75,78 @@ def test_pages_held_during_decode_follow_the_budget():
 
 
 def test_policies_keep_the_positions_of_what_they_keep():
-    """A budget that covers the prompt keeps everything: the output equals the full cache's, at several
-    chunk sizes (so compression after every chunk with a covering budget is a no-op too)."""
+    """knorm at budget 40 on a 90-token prompt compacts every layer (each KV head its own tokens) once the
+    prompt is in, after every 32-token chunk, or also every 2 decode steps. Kept tokens keep their positions
+    and new ones take theirs: every greedy token is the argmax of Hugging Face's own forward over a cache
+    that holds exactly the kept tokens (its cache gathered by the kept indices after each compression), fed
+    in the engine's chunks with the true position ids."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from kvlab.models import load_model
+
+    loaded = load_model("random:llama-tiny")
+    for layer in loaded.model.model.layers:  # peaked attention: what is kept, and where, moves the logits
+        layer.self_attn.q_proj.weight.data *= 6
+        layer.self_attn.k_proj.weight.data *= 6
     p = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
-    want = LLM("random:llama-tiny").generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-    for when in ("prefill", "chunk", "decode"):
-        llm = LLM("random:llama-tiny", policy="knorm", policy_args={"budget": 500, "when": when, "every": 2},
-                  max_num_batched_tokens=32)
-        assert llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == want
+    for when, compressions in (("prefill", 1), ("chunk", 3), ("decode", 1 + 7 // 2)):
+        llm = LLM("random:llama-tiny", loaded=copy.deepcopy(loaded), policy="knorm",
+                  policy_args={"budget": 40, "when": when, "every": 2}, max_num_batched_tokens=32)
+        steps = _record_steps_and_kept(llm)
+        out = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        tokens, cache, cached, done = p + out, DynamicCache(), 0, 0
+        for start, n, kept in steps:
+            with torch.no_grad():
+                logits = loaded.model(input_ids=torch.tensor([tokens[start:start + n]]), past_key_values=cache,
+                                      position_ids=torch.arange(start, start + n)[None],
+                                      cache_position=torch.arange(cached, cached + n), use_cache=True).logits[0, -1]
+            cached += n
+            if start + n >= len(p):  # this step sampled output token start + n - len(p)
+                token = out[start + n - len(p)]
+                assert logits[token] >= logits.max() - 1e-5, (when, start + n - len(p))
+            if kept is not None:
+                cached = _gather_hf_cache(cache, kept)
+                done += 1
+        assert done == compressions and cached < len(tokens) - 1, (when, done, cached)
+
+
+def _record_steps_and_kept(llm: LLM) -> list[list]:
+    """Per engine step of one request: [tokens computed before it, tokens it computed, {layer: kept} of the
+    compression that followed it, or None]."""
+    engine, steps = llm.engine, []
+    schedule, compress, policy = engine.scheduler.schedule, engine.compressor.compress, engine.compressor.policy
+
+    def scheduling(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        steps.extend([s.num_computed_tokens, n, None] for s, n in zip(batch.seqs, batch.num_new_tokens))
+        return batch
+
+    def compressing(seq, *args, **kwargs):
+        kept, select = {}, policy.select
+        policy.select = lambda layer, *a, **k: kept.setdefault(layer, select(layer, *a, **k))
+        try:
+            return compress(seq, *args, **kwargs)
+        finally:
+            del policy.select
+            steps[-1][2] = kept
+
+    engine.scheduler.schedule, engine.compressor.compress = scheduling, compressing
+    return steps
+
+
+def _gather_hf_cache(cache, kept: dict) -> int:
+    """Keep, in every layer of a Hugging Face cache, the cache indices the engine kept (a list per KV head,
+    or one for all); returns the cached length."""
+    for layer, keep in kept.items():
+        if keep is None:
+            continue
+        entry = cache.layers[layer]
+        heads = keep if isinstance(keep[0], list) else [keep] * entry.keys.shape[1]
+        index = torch.tensor(heads)[None, :, :, None].expand(1, -1, -1, entry.keys.shape[-1])  # [1, Hkv, m, D]
+        entry.keys, entry.values = entry.keys.gather(2, index), entry.values.gather(2, index)
+    return cache.layers[0].keys.shape[2]
 
 
 @pytest.mark.parametrize("name", ["snapkv", "knorm"])
@@ -141,7 +205,7 @@ def test_scoring_under_a_policy_compresses_the_context_then_scores():
 
 @pytest.mark.parametrize("args, message", [
     ({"budget": 0}, "budget must be an integer >= 1"),
-    ({"budget": 2.5}, "budget must be an integer >= 1"),
+    ({"budget": 2.5}, r"budget: expected int or null \(None\), got float 2.5"),
     ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
     ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
     ({"budget": 8, "compression_ratio": 0.5}, "not both"),
@@ -153,10 +217,13 @@ def test_bad_policy_parameters_fail_before_the_model_loads(args, message):
         LLM("does-not-exist", policy="knorm", policy_args=args)
 
 
-def test_no_budget_and_no_ratio_keeps_everything_as_kvpress_does():
+def test_no_budget_and_no_ratio_is_refused_and_an_explicit_ratio_0_keeps_everything_as_kvpress_does():
+    with pytest.raises(ValueError, match="policy 'snapkv' needs a budget .* or a compression_ratio"):
+        LLM("random:llama-tiny", policy="snapkv")  # it would read as compressed and keep every token
     p = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(6)).tolist()
     want = LLM("random:llama-tiny").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-    got = LLM("random:llama-tiny", policy="snapkv").generate([p], SamplingParams(max_tokens=6, ignore_eos=True))
+    got = LLM("random:llama-tiny", policy="snapkv", policy_args={"compression_ratio": 0.0}).generate(
+        [p], SamplingParams(max_tokens=6, ignore_eos=True))
     assert got[0].token_ids == want
 
 

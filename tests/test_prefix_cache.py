@@ -25,6 +25,13 @@ from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence
 
 
+# The property runs are derandomised (the same examples every run, from the test's name): a bug one run
+# catches, every run catches; enough examples that each case reaches hits, forks, evictions and compactions.
+PROPERTY_EXAMPLES = 150
+PROPERTY = settings(max_examples=PROPERTY_EXAMPLES, derandomize=True, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
 def collide(salt, parent, tokens) -> int:
     return 0  # every block has the same hash: only the token / parent comparison keeps them apart
 
@@ -191,7 +198,7 @@ CASES += [pytest.param(e, "radix", None, id=f"{e}-radix") for e in ("lru", "lfu"
 
 
 @pytest.mark.parametrize("eviction, match, hash_fn", CASES)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@PROPERTY
 @given(ops=st.lists(op, max_size=40))
 def test_random_operations_keep_pages_and_contents_consistent(eviction, match, hash_fn, ops):
     radix = match == "radix"
@@ -224,7 +231,7 @@ compact_op = st.tuples(st.just("compact"), st.integers(0, 99), st.lists(st.integ
 
 
 @pytest.mark.parametrize("match", ["page", "token", "radix"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@PROPERTY
 @given(ops=st.lists(st.one_of(op, compact_op), max_size=40), tail=st.integers(0, 3))
 def test_random_operations_with_compactions_keep_pages_and_contents_consistent(match, ops, tail):
     """A compressing policy's compactions mixed in (the protected pages kept, any other tokens dropped):
@@ -256,6 +263,13 @@ def test_random_operations_with_compactions_keep_pages_and_contents_consistent(m
         shadow.free(seq)
     shadow.check()
     assert shadow.bm.allocator.num_free_blocks == shadow.bm.num_blocks
+
+
+def test_the_property_runs_are_derandomised_with_enough_examples():
+    for test in (test_random_operations_keep_pages_and_contents_consistent,
+                 test_random_operations_with_compactions_keep_pages_and_contents_consistent):
+        used = test._hypothesis_internal_use_settings  # the settings hypothesis runs the test with
+        assert used.derandomize and used.max_examples >= PROPERTY_EXAMPLES, test.__name__
 
 
 def test_a_compacted_sequence_registers_nothing_more_and_its_cached_pages_survive():

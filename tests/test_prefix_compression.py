@@ -217,17 +217,37 @@ def test_a_small_pool_preempts_and_evicts_without_leaking_or_writing_a_cached_pa
     assert not a.tables and a.ref_counts == [0] * a.num_blocks and a.num_free_blocks == a.num_blocks
 
 
-def test_parallel_samples_share_their_prompt_whole():
-    """n = 2: the samples are forked before the prompt is compressed, so every prompt page has two tables:
-    all protected, nothing moved; the pages all come back."""
+def test_parallel_samples_share_their_compressed_prompt():
+    """n = 2: the prompt is compressed once, then the second sample is forked from the compacted tables, so
+    both hold what the policy kept, in the same pages; each sample equals a separate n = 1 request with its
+    seed on a fresh engine; a later prompt's hit on the first's cached pages is protected; the pages all
+    come back."""
     first, *later = prompts(40, [13, 9])
     on = engine("snapkv", True)
     seen = watch_pages(on)
+    eng, bm = on.engine, on.engine.block_manager
+    forks = []
+    admit = eng._admit_samples
+
+    def watched_admit(spawned):
+        admit(spawned)
+        for parent, _, children in spawned:
+            for child in children:
+                groups = eng.compressor.groups
+                forks.append((all(bm.block_tables([child], g) == bm.block_tables([parent], g)
+                                  and bm.cached_lens([child], g) == bm.cached_lens([parent], g) for g in groups),
+                              all(bm.cached_lens([child], g)[0] < parent.num_computed_tokens for g in groups)))
+    eng._admit_samples = watched_admit
     params = SamplingParams(max_tokens=8, n=2, seed=3, temperature=1.0, ignore_eos=True)
-    for batch in ([first], later):
-        on.generate(batch, params)
-    assert seen["compressions"] == 2 and seen["moves"] == 0 and seen["protected"] > 0
-    a = on.engine.block_manager.allocator
+    got = [[c.token_ids for c in on.generate(batch, params)[0].outputs] for batch in ([first], later)]
+    assert seen["compressions"] == 2 and seen["moves"] > 0 and seen["protected"] > 0
+    # every sample forked from its first sample's tables after the compression: the first prompt's compacted
+    # ones; the later prompt's hit (40 tokens, protected) leaves 9 under the budget of 12: nothing to compact
+    assert forks == [(True, True), (True, False)]
+    alone = [engine("snapkv", True).generate([first], SamplingParams(max_tokens=8, seed=3 + i, temperature=1.0,
+                                                                     ignore_eos=True))[0].token_ids for i in range(2)]
+    assert got[0] == alone and alone[0] != alone[1]
+    a = bm.allocator
     assert not a.tables and a.num_free_blocks == a.num_blocks
 
 
@@ -249,7 +269,7 @@ def test_prefix_caching_with_accumulated_attention_statistics_is_refused_before_
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match="enable_prefix_caching with policy 'h2o' is not supported yet: it ranks "
                                          "keys by the attention every query paid them"):
-        LLM("random:llama-tiny", enable_prefix_caching=True, policy="h2o")
+        LLM("random:llama-tiny", enable_prefix_caching=True, policy="h2o", policy_args={"budget": 32})
 
 
 def test_prefix_caching_with_a_select_that_cannot_protect_pages_is_refused(monkeypatch):
@@ -257,7 +277,7 @@ def test_prefix_caching_with_a_select_that_cannot_protect_pages_is_refused(monke
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr(ChunkKV, "select", lambda self, layer_idx, num_layers, keys, values, queries, stats: None)
     with pytest.raises(ValueError, match=r"its select\(\) takes no `protected` argument"):
-        LLM("random:llama-tiny", enable_prefix_caching=True, policy="chunkkv")
+        LLM("random:llama-tiny", enable_prefix_caching=True, policy="chunkkv", policy_args={"budget": 32})
 
 
 @pytest.mark.heavy

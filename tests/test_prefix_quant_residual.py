@@ -3,8 +3,9 @@
 A page inside a request's residual window is *open*: its K/V live in a full-precision row. A hit
 stops at least `residual` tokens before the prompt's end (the window is computed by the request),
 and never shares a page open in another running sequence's window (that sequence would see it
-sealed under it). An open page nobody holds is shared; the new request's window rule seals it at
-its first step, as its own prefill would have. With prefill chunks that start where the hit ends
+sealed under it). A finished request's open pages are sealed when it frees them (their leased rows
+go back to the pool) and are shared sealed, as the new request's window rule would have sealed them
+at its first step. With prefill chunks that start where the hit ends
 (the prefix computed in the same chunks as its first request), greedy output equals caching off.
 Tiny random Llama.
 """
@@ -52,14 +53,19 @@ def test_a_hit_equals_caching_off_and_leaves_the_window_to_compute(quant, tail):
     assert hit == (64 if tail >= 16 else (len(second) - 16) // 8 * 8)
 
 
-def test_an_open_page_nobody_holds_is_shared():
+def test_a_finished_requests_window_pages_are_sealed_and_shared():
     """The first request's last prompt pages are still open when it finishes (its window moved only by
-    its 10 generated tokens); a longer prompt containing it hits them all."""
+    its 10 generated tokens): they are sealed then, their residual rows going back to the pool's free
+    pages (kvlab.quant.lease), and a longer prompt containing it hits them all, as caching off reads them."""
     on = llm(True)
-    greedy(on, [PREFIX])
-    area = on.engine.cache.area
-    open_before = set(area.open_pages())
-    assert open_before  # pages of the finished request's window are open, held by nobody
+    engine = on.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine.add_request(PREFIX, params)
+    while engine.has_unfinished():
+        window_open = bool(engine.cache.area.open_pages())
+        engine.step()
+    area = engine.cache.area
+    assert window_open and not area.open_pages() and area.num_leased == 0  # sealed once nobody held them
     on.reset_stats()
     second = PREFIX + tokens(40, 3)
     got = greedy(on, [second])

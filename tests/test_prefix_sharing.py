@@ -120,22 +120,23 @@ def test_n_samples_equal_separate_requests_with_derived_seeds(prefix_caching):
     separate = llm.generate([p for p in prompts for _ in range(3)],
                             [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True)
                              for _ in prompts for i in range(3)])
-    assert [len(g) for g in grouped] == [3, 3, 3]
-    assert [[o.sample_index for o in g] for g in grouped] == [[0, 1, 2]] * 3
-    assert [[o.token_ids for o in g] for g in grouped] == [[o.token_ids for o in separate[3 * j:3 * j + 3]]
-                                                             for j in range(3)]
-    assert len({tuple(o.token_ids) for o in grouped[0]}) > 1  # the samples differ
+    assert [len(g.outputs) for g in grouped] == [3, 3, 3]
+    assert [[c.index for c in g.outputs] for g in grouped] == [[0, 1, 2]] * 3
+    assert [[c.token_ids for c in g.outputs] for g in grouped] == [[o.token_ids for o in separate[3 * j:3 * j + 3]]
+                                                                     for j in range(3)]
+    assert len({tuple(c.token_ids) for c in grouped[0].outputs}) > 1  # the samples differ
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks and not llm.engine._groups and not llm.engine._samples
 
 
-def test_n_equal_one_keeps_the_flat_return_shape_and_mixes_with_n_greater_than_one():
+def test_one_request_output_per_prompt_whatever_n():
     llm = LLM("random:llama-tiny", block_size=4, max_model_len=128, kv_cache_memory=24 * 1024)
     prompts = prompts_with_system(5, [5, 6])
     outs = llm.generate(prompts, [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, n=2)])
-    assert isinstance(outs[0], RequestOutput) and outs[0].sample_index == 0
-    assert isinstance(outs[1], list) and len(outs[1]) == 2
-    assert outs[1][0].token_ids == outs[1][1].token_ids == llm.generate(prompts[1], SamplingParams(max_tokens=4))[0].token_ids
+    assert all(isinstance(o, RequestOutput) for o in outs) and outs[0].sample_index == 0
+    assert [len(o.outputs) for o in outs] == [1, 2]
+    greedy = llm.generate(prompts[1], SamplingParams(max_tokens=4))[0].token_ids
+    assert outs[1].outputs[0].token_ids == outs[1].outputs[1].token_ids == outs[1].token_ids == greedy
 
 
 def test_aborting_a_request_aborts_all_its_samples():
@@ -163,11 +164,12 @@ def test_a_cache_salt_of_the_wrong_type_is_rejected(salt):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(policy="h2o"), "enable_prefix_caching with policy 'h2o' is not supported yet"),
+    (dict(policy="h2o", policy_args={"budget": 32}), "enable_prefix_caching with policy 'h2o' is not supported yet"),
     (dict(allocator="contiguous"), "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
     (dict(allocator="contiguous", prefix_cache="radix"),
      "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
-    (dict(policy="h2o", prefix_cache="radix"), "enable_prefix_caching with policy 'h2o' is not supported yet"),
+    (dict(policy="h2o", policy_args={"budget": 32}, prefix_cache="radix"),
+     "enable_prefix_caching with policy 'h2o' is not supported yet"),
     (dict(prefix_cache="trie"), r"prefix_cache: .*'trie'"),
 ])
 def test_prefix_caching_with_an_unsupported_feature_fails_before_the_model_loads(kwargs, message, monkeypatch):

@@ -156,12 +156,15 @@ def test_a_failure_inside_a_step_aborts_the_call_and_leaves_the_engine_usable(bi
 
     monkeypatch.setattr(kvlab.llm_engine, "sample", flaky)
     prompts = [random_ids(10, seed=i) for i in range(4)]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=s) for s in (5, 6)]
     with pytest.raises(RuntimeError, match="injected sampler failure"):
-        big.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        big.generate(prompts, params)
     assert_idle(big)
     monkeypatch.setattr(kvlab.llm_engine, "sample", real)
-    again = big.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert [len(o.token_ids) for o in again] == [8] * 4
+    again = big.generate(prompts, params)
+    clean = LLM(MODEL, max_model_len=256, kv_cache_memory=64 * BLOCK_BYTES).generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in clean]  # nothing of the failed call stayed behind
 
 
 def test_an_engine_level_failure_requeues_the_step_and_abort_frees_the_pages(big, monkeypatch):
@@ -275,10 +278,10 @@ def test_arrival_time_must_be_a_perf_counter_reading(big, bad, message):
     assert_idle(big)
 
 
-def test_max_model_len_above_the_model_is_capped_with_a_warning():
-    with pytest.warns(UserWarning, match="max_model_len=10000 is longer than the model's context of 512"):
-        llm = LLM(MODEL, max_model_len=10_000, kv_cache_memory=64 * BLOCK_BYTES)
-    assert llm.engine.max_model_len == 512
+def test_max_model_len_above_the_model_is_refused():
+    """A run labelled with a 10,000-token context must not silently use the model's 512."""
+    with pytest.raises(ValueError, match="max_model_len=10000 is longer than the model's context of 512"):
+        LLM(MODEL, max_model_len=10_000, kv_cache_memory=64 * BLOCK_BYTES)
 
 
 # -- metrics ---------------------------------------------------------------------------

@@ -28,8 +28,9 @@ def attention_stats_kernel(
     tree_ptr,  # [T, >= max q_len] uint8 (USE_TREE)
     k_scale_ptr,  # [Hkv] float32 (SCALED codec); PACKED: the page store's scale part
     k_zero_ptr,  # PACKED: zero-point part
-    k_res_ptr,  # PACKED with HAS_RES: residual rows [rows, PAGE, Hkv, D]
+    k_res_ptr,  # PACKED with HAS_RES: residual row storage, flat (codec.load_packed)
     row_of_ptr,  # PACKED with HAS_RES: [num_blocks] int64
+    lease_ptr,  # PACKED with HAS_RES: [rows, RES_K] int64
     scale,
     softcap,
     window,
@@ -59,6 +60,8 @@ def attention_stats_kernel(
     K_BITS: tl.constexpr = 8,
     K_GROUP: tl.constexpr = 1,
     HAS_RES: tl.constexpr = False,
+    RES_K: tl.constexpr = 1,
+    RES_CHUNK: tl.constexpr = 1,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,10 +86,11 @@ def attention_stats_kernel(
     block = tl.maximum(block, 0)
     k_scale = 1.0
     if K_CODEC == 2:  # packed pages: dequantised once here, the loop below casts only
-        k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr,
+        k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr, lease_ptr,
                         block[None, :], (j % PAGE)[None, :], kv_head, d[:, None],
                         key_valid[None, :] & d_valid[:, None],
-                        PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, tl.float32)
+                        PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, RES_K, RES_CHUNK,
+                        tl.float32)
     else:
         k_off = block * stride_kb + (j % PAGE) * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=key_valid[None, :] & d_valid[:, None], other=0.0)

@@ -63,21 +63,24 @@ def decode(x, scale, CODEC: tl.constexpr, out_dtype: tl.constexpr):
         return x.to(out_dtype)
 
 
-# Packed formats (kvlab.quant: int8, int4, int2) are read through `load_packed`: the launcher passes
+# Packed formats (kvlab.quant: int8, int4, int2, fp8 per token) are read through `load_packed`: the launcher passes
 # the page parts of a kvlab.quant.page_store.PageStore (all contiguous, so strides follow from the
 # shapes) and the codec's layout (kvlab.quant.base.PageCodec.layout):
 #   KIND 0  int8 codes [pages, PAGE, Hkv, D], scale [pages, PAGE, Hkv] (symmetric, per token per head)
 #   KIND 1  codes [pages, PAGE, Hkv, D * BITS / 8], scale / zero [pages, PAGE / GROUP, Hkv, D]
 #           (asymmetric, per channel over GROUP tokens: KIVI keys)
 #   KIND 2  codes as KIND 1, scale / zero [pages, PAGE, Hkv, D / GROUP] (per token over GROUP channels: KIVI values)
-# With HAS_RES, a page whose residual row (row_of[page]) is >= 0 is read from the full-precision
-# residual area [rows, PAGE, Hkv, D] instead.
+#   KIND 3  fp8 codes [pages, PAGE, Hkv, D], scale [pages, PAGE, Hkv] (per token per head: fp8 scaling="token")
+# With HAS_RES, a page whose residual row (row_of[page]) is >= 0 is read from its full-precision row
+# instead: element e = (pos * Hkv + h) * D + d of row r is res[lease[r, e // RES_CHUNK] * RES_CHUNK +
+# e % RES_CHUNK] (kvlab.quant.page_store: RES_K chunks per row; an area of its own has RES_K = 1,
+# lease[r] = r; rows leased from the pool live in RES_K pages' codes, `res` viewing them in the row dtype).
 PACKED = tl.constexpr(2)
 
 
 @triton.jit
 def load_packed(
-    data_ptr, scale_ptr, zero_ptr, res_ptr, row_of_ptr,
+    data_ptr, scale_ptr, zero_ptr, res_ptr, row_of_ptr, lease_ptr,
     blk,  # int64 page of each element (any shape, broadcast with the others)
     pos,  # slot within the page
     h,  # KV head
@@ -90,16 +93,22 @@ def load_packed(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_RES: tl.constexpr,
+    RES_K: tl.constexpr,  # chunks per residual row
+    RES_CHUNK: tl.constexpr,  # elements per chunk
     out_dtype: tl.constexpr,
 ):
     """Dequantised elements of a packed page store, in `out_dtype` (0 where masked)."""
     slot = blk * PAGE + pos
-    byte = tl.load(data_ptr + (slot * HKV + h) * (HEAD_DIM * BITS // 8) + dd // (8 // BITS),
-                   mask=mask, other=0).to(tl.int32)
-    if KIND == 0:
-        s = tl.load(scale_ptr + slot * HKV + h, mask=mask, other=0.0).to(tl.float32)
-        x = byte.to(tl.float32) * s
+    ptr = data_ptr + (slot * HKV + h) * (HEAD_DIM * BITS // 8) + dd // (8 // BITS)
+    if KIND == 3:
+        raw = tl.load(ptr, mask=mask, other=0.0)  # fp8 codes
     else:
+        raw = tl.load(ptr, mask=mask, other=0)
+    if KIND == 0 or KIND == 3:  # one int8 / fp8 code per element, a scale per token per head
+        s = tl.load(scale_ptr + slot * HKV + h, mask=mask, other=0.0).to(tl.float32)
+        x = raw.to(tl.float32) * s
+    else:
+        byte = raw.to(tl.int32)
         code = ((byte >> ((dd % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 1:
             sidx = ((blk * (PAGE // GROUP) + pos // GROUP) * HKV + h) * HEAD_DIM + dd
@@ -111,6 +120,8 @@ def load_packed(
     if HAS_RES:
         row = tl.load(row_of_ptr + blk, mask=mask, other=-1)
         is_open = mask & (row >= 0)
-        r = tl.load(res_ptr + ((row * PAGE + pos) * HKV + h) * HEAD_DIM + dd, mask=is_open, other=0.0)
+        e = (pos * HKV + h) * HEAD_DIM + dd  # element within the row
+        chunk = tl.load(lease_ptr + row * RES_K + e // RES_CHUNK, mask=is_open, other=0)
+        r = tl.load(res_ptr + chunk * RES_CHUNK + e % RES_CHUNK, mask=is_open, other=0.0)
         x = tl.where(is_open, r.to(tl.float32), x)
     return x.to(out_dtype)

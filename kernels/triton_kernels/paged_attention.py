@@ -89,9 +89,10 @@ def paged_attention_kernel(
     v_scale_ptr,
     k_zero_ptr,  # PACKED: zero-point part (asymmetric layouts)
     v_zero_ptr,
-    k_res_ptr,  # PACKED with HAS_RES: residual rows [rows, PAGE, Hkv, D]
+    k_res_ptr,  # PACKED with HAS_RES: residual row storage, flat (codec.load_packed)
     v_res_ptr,
     row_of_ptr,  # PACKED with HAS_RES: [num_blocks] int64 residual row of each page (-1: sealed)
+    lease_ptr,  # PACKED with HAS_RES: [rows, RES_K] int64 chunk of each part of a row
     scale,
     softcap,
     window,
@@ -126,6 +127,8 @@ def paged_attention_kernel(
     V_BITS: tl.constexpr = 8,
     V_GROUP: tl.constexpr = 1,
     HAS_RES: tl.constexpr = False,
+    RES_K: tl.constexpr = 1,
+    RES_CHUNK: tl.constexpr = 1,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,10 +188,11 @@ def paged_attention_kernel(
         block = tl.maximum(block, 0)
         in_page = j % PAGE
         if K_CODEC == 2:  # packed pages, dequantised on load
-            k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr,
+            k = load_packed(k_cache_ptr, k_scale_ptr, k_zero_ptr, k_res_ptr, row_of_ptr, lease_ptr,
                             block[None, :], in_page[None, :], kv_head, d[:, None],
                             key_valid[None, :] & d_valid[:, None],
-                            PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, DOT_DTYPE)
+                            PAGE, NUM_KV_HEADS, HEAD_DIM, K_KIND, K_BITS, K_GROUP, HAS_RES, RES_K, RES_CHUNK,
+                            DOT_DTYPE)
         else:
             k_off = block * stride_kb + in_page * stride_ks + kv_head * stride_kh  # [BLOCK_N]
             k = tl.load(
@@ -208,10 +212,11 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         if V_CODEC == 2:
-            v = load_packed(v_cache_ptr, v_scale_ptr, v_zero_ptr, v_res_ptr, row_of_ptr,
+            v = load_packed(v_cache_ptr, v_scale_ptr, v_zero_ptr, v_res_ptr, row_of_ptr, lease_ptr,
                             block[:, None], in_page[:, None], kv_head, d[None, :],
                             key_valid[:, None] & d_valid[None, :],
-                            PAGE, NUM_KV_HEADS, HEAD_DIM, V_KIND, V_BITS, V_GROUP, HAS_RES, DOT_DTYPE)
+                            PAGE, NUM_KV_HEADS, HEAD_DIM, V_KIND, V_BITS, V_GROUP, HAS_RES, RES_K, RES_CHUNK,
+                            DOT_DTYPE)
         else:
             v_off = block * stride_vb + in_page * stride_vs + kv_head * stride_vh
             v = tl.load(

@@ -1,11 +1,14 @@
 """Contiguous reservation: the pre-PagedAttention baseline (Orca, FasterTransformer).
 
 At admission a sequence reserves one contiguous run of slots for the longest it
-may become (`max_tokens`: the request's prompt plus max new tokens, or the
-engine's max_model_len when `reserve="max_model_len"`, or the request's length rounded up to a
-power of two when `reserve="pow2"`: Orca (Max / Oracle / Pow2) in Kwon et al.'s Fig. 2), first fit. Nothing is
-shared; the unwritten part of each reservation and the holes between
-reservations are the 60-80% waste of Kwon et al. 2023 (arXiv:2309.06180), §3.
+may become (`max_tokens`: the request's prompt plus max new tokens, the default
+`reserve="request"`; the engine's max_model_len with `reserve="max_model_len"`; the request's
+length rounded up to a power of two with `reserve="pow2"`: Orca (Oracle / Max / Pow2) in Kwon et
+al.'s Fig. 2), first fit. Nothing is shared; the unwritten part of each reservation and the holes
+between reservations are the 60-80% waste of Kwon et al. 2023 (arXiv:2309.06180), §3. The default
+reserves what a request can use, so the default model's requests fit the default pool (a
+max_model_len reservation of SmolLM2's 8,192 tokens is more than 256 MiB holds); the waste
+studies choose `reserve` explicitly.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from kvlab.registry import ALLOCATORS
 class ContiguousAllocator(Allocator):
     """One contiguous reservation per sequence, sized for its maximum length, first fit."""
 
-    reserve: str = "max_model_len"  # "max_model_len" (classic) | "request" (prompt + max new tokens) | "pow2" (that, rounded up to a power of two)
+    reserve: str = "request"  # "request" (prompt + max new tokens) | "max_model_len" (classic Orca Max) | "pow2" (request, rounded up to a power of two)
 
     def __post_init__(self) -> None:
         if self.reserve not in ("max_model_len", "request", "pow2"):
-            raise ValueError(f"contiguous.reserve must be 'max_model_len', 'request' or 'pow2', got {self.reserve!r}")
+            raise ValueError(f"contiguous.reserve must be 'request', 'max_model_len' or 'pow2', got {self.reserve!r}")
 
     def _reset(self) -> None:
         self.runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # sorted free (start, length)

@@ -7,13 +7,16 @@ byte budget buys proportionally more pages, scales included) and which kernel ba
 read it.
 
 Two kinds:
-- *element-wise* formats (`packed = False`: fp32 / bf16 / fp16 / fp8): one storage element per
-  head-dim position, `[num_pages + 1, block_size, Hkv, D]`, optionally with per-layer per-KV-head
-  float32 scales (`init_scales` / `calibrate`); every backend reads them.
-- *packed* formats (`packed = True`: int8, int4, int2): several tensors per page, written and
-  read through a `PageCodec` per side (kvlab.quant.page_store.PageStore holds them); a format
-  with a `residual` window keeps the newest tokens of each sequence in full precision until
-  their page leaves the window.
+- *element-wise* formats (`packed = False`: fp32 / bf16 / fp16, fp8 with a fixed scale): one
+  storage element per head-dim position, `[num_pages + 1, block_size, Hkv, D]`, optionally with
+  per-layer per-KV-head float32 scales fixed by the configuration (`init_scales`); every backend
+  reads them.
+- *packed* formats (`packed = True`: int8, int4, int2, fp8 with per-token scales): several tensors
+  per page, written and read through a `PageCodec` per side (kvlab.quant.page_store.PageStore holds
+  them); a format with a `residual` window keeps the newest tokens of each sequence in full
+  precision until their page leaves the window.
+What a token's stored K/V is depends only on that token (and, for KIVI keys, its page's group) and
+the configuration, never on which requests came before.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class PageCodec(ABC):
 class QuantFormat(ABC):
     """Base class of cache formats; subclasses are dataclasses of their parameters."""
 
-    packed: ClassVar[bool] = False  # storage through PageCodecs (kvlab.quant.page_store)
+    packed: ClassVar[bool] = False  # storage through PageCodecs (kvlab.quant.page_store); may be a property
     backends: ClassVar[tuple[str, ...]] = BACKENDS  # kernel backends that read this format
 
     @abstractmethod
@@ -99,13 +102,13 @@ class QuantFormat(ABC):
                 compute_dtype: torch.dtype) -> tuple[dict[str, PartSpec], dict[str, PartSpec]]:
         """(key parts, value parts) of one page."""
         if self.packed:
-            k, v = self.codecs()
+            k, v = self.codecs(block_size, head_dim)
             return k.parts(block_size, num_kv_heads, head_dim), v.parts(block_size, num_kv_heads, head_dim)
         data = {"data": PartSpec((block_size, num_kv_heads, head_dim), self.storage_dtype(compute_dtype))}
         return data, dict(data)
 
-    def codecs(self) -> tuple[PageCodec, PageCodec]:
-        """(key codec, value codec) of a packed format."""
+    def codecs(self, block_size: int, head_dim: int) -> tuple[PageCodec, PageCodec]:
+        """(key codec, value codec) of a packed format for pages of `block_size` and heads of `head_dim`."""
         raise NotImplementedError(f"{type(self).__name__} is an element-wise format (no page codecs)")
 
     def check_shape(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -120,11 +123,9 @@ class QuantFormat(ABC):
         return self.storage_dtype(compute_dtype).itemsize
 
     def init_scales(self, num_kv_heads: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(k_scale [Hkv], v_scale [Hkv]) float32 for one layer, or None for unscaled storage."""
+        """(k_scale [Hkv], v_scale [Hkv]) float32 for one layer, fixed by the configuration, or None for
+        unscaled storage."""
         return None
-
-    def calibrate(self, key: torch.Tensor, value: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Update a layer's scales in place from its first written keys/values [T, Hkv, D] (optional)."""
 
 
 QUANT_FORMATS.base = QuantFormat

@@ -57,6 +57,6 @@ class Int8(QuantFormat):
     def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         return torch.int8
 
-    def codecs(self) -> tuple[PageCodec, PageCodec]:
+    def codecs(self, block_size: int, head_dim: int) -> tuple[PageCodec, PageCodec]:
         codec = Int8TokenCodec()
         return codec, codec

@@ -1,20 +1,29 @@
-"""Pages of a packed format (int8, int4, int2) and the full-precision residual area beside them.
+"""Pages of a packed format (int8, int4, int2) and the full-precision residual rows beside them.
 
 A `PageStore` holds one side (K or V) of one layer slot of the pool: the format's page parts,
-each `[num_pages + 1, *part shape]`, and, when the format keeps a residual window, rows of the
-residual area `[rows, block_size, Hkv, D]` in the compute dtype. The `ResidualArea` (shared by
-every layer slot and both sides) says which page is *open* (its tokens live in a residual row,
-full precision) and which is *sealed* (its tokens live quantised in the parts):
+each `[num_pages + 1, *part shape]`, and, when the format keeps a residual window, the storage of
+its residual rows (`residual`, flat, in the residual dtype). The `ResidualArea` (shared by every
+layer slot and both sides) says which page is *open* (its tokens live in a residual row, full
+precision) and which is *sealed* (its tokens live quantised in the parts):
 
     row_of[page] >= 0   open: read the residual row
     row_of[page] == -1  sealed: decode the parts
+
+A row is `[block_size, Hkv, D]` in `k` chunks of `chunk` elements: chunk j of row r is chunk
+`lease[r, j]` of each store's `residual` (viewed `[-1, chunk]`). Two ways to hold rows:
+
+    own     (no lessor): a separate area of `rows` rows (k = 1, lease[r] = r), paid for up front
+    leased  (a lessor, kvlab.quant.lease): a row lives in the codes of k pool pages leased from the
+            allocator's free pages while its page is open (k = residual bytes / code bytes of a page:
+            8 for int4 with fp32 rows), given back when the page is sealed; `residual` is then the
+            pages' codes viewed in the residual dtype, and rows cost pages only while in use
 
 Writes go through a `WritePlan`, built once per (step, layer group) and shared by the layers:
 the pages the step touches are read (decoded, or their residual row), the new tokens written
 in, and each page either sealed (encoded into the parts over the tokens up to the last one
 written: later slots are stale) or kept open in its row. A page is sealed when the step's
 planner says it left the residual window (kvlab.attention.plan_step), when a compaction
-writes it, or early, when the area has no free row (the area's `early_seals` counts those).
+writes it, or early, when no row can be had (the area's `early_seals` counts those).
 Formats without a residual (int8) and token-local codecs write straight into their slots.
 """
 
@@ -28,15 +37,20 @@ from kvlab.quant.base import PageCodec
 
 
 class ResidualArea:
-    """Which pages are open, and the free rows of the residual area (bookkeeping; one per cache)."""
+    """Which pages are open, and where their residual rows live (bookkeeping; one per cache)."""
 
-    def __init__(self, num_pages: int, rows: int, device: torch.device | str):
-        self.rows = rows
+    def __init__(self, num_pages: int, rows: int, device: torch.device | str, k: int = 1, lessor=None):
+        """`rows`: row ids (own rows; leased: the most that could ever be leased); `k`: chunks per row
+        (pages per lease); `lessor`: kvlab.quant.lease.PageLessor, or None for own rows."""
+        self.rows, self.k, self.lessor = rows, k, lessor
         self.row_of = torch.full((num_pages,), -1, dtype=torch.int64, device=device)  # [num_pages + 1]
+        self.lease = torch.arange(rows * k, dtype=torch.int64, device=device).view(rows, k)  # [rows, k] chunks
         self._open: dict[int, int] = {}  # page -> row
         self._free = list(range(rows - 1, -1, -1))
         self._deferred: list[int] = []  # rows of pages sealed this step, free from the next step on
+        self._keys: dict[int, int] = {}  # leased row -> the lessor's key
         self.early_seals = 0
+        self.leased_peak = 0  # most rows leased at once
 
     def row(self, page: int) -> int:
         return self._open.get(page, -1)
@@ -48,11 +62,24 @@ class ResidualArea:
     def any_open(self) -> bool:
         return bool(self._open)
 
+    @property
+    def num_leased(self) -> int:
+        return len(self._keys)
+
     def take(self, page: int) -> int:
-        """A free row for `page` (-1 when none is free)."""
+        """A row for `page` (-1 when none can be had: no free row, or no pages to lease)."""
         if not self._free:
             return -1
+        if self.lessor is not None:
+            got = self.lessor.lease(self.k)
+            if got is None:
+                return -1
+            key, pages = got
         row = self._free.pop()
+        if self.lessor is not None:
+            self._keys[row] = key
+            self.lease[row] = torch.tensor(pages, dtype=torch.int64)
+            self.leased_peak = max(self.leased_peak, len(self._keys))
         self._open[page] = row
         self.row_of[page] = row
         return row
@@ -62,12 +89,30 @@ class ResidualArea:
         if row < 0:
             return
         self.row_of[page] = -1
-        (self._deferred if deferred else self._free).append(row)
+        if deferred:
+            self._deferred.append(row)
+        else:
+            self._release(row)
+
+    def _release(self, row: int) -> None:
+        key = self._keys.pop(row, None)
+        if key is not None:
+            self.lessor.give_back(key)
+        self._free.append(row)
 
     def end_step(self) -> None:
-        """Rows of pages sealed during the step become free."""
-        self._free.extend(self._deferred)
+        """Rows of pages sealed during the step become free (leased pages go back to the allocator)."""
+        for row in self._deferred:
+            self._release(row)
         self._deferred.clear()
+
+    def unheld(self) -> dict[int, int]:
+        """Open pages no table holds any more (their sequence finished or was preempted): page -> row.
+        Leased rows only (own rows stay with their page until it is written again)."""
+        if self.lessor is None or not self._open:
+            return {}
+        held = self.lessor.held()
+        return {p: r for p, r in self._open.items() if not held(p)}
 
 
 @dataclass
@@ -94,8 +139,19 @@ class PageStore:
         self.parts = {name: torch.zeros((num_pages, *spec.shape), dtype=spec.dtype, device=device)
                       for name, spec in codec.parts(block_size, num_kv_heads, head_dim).items()}
         self.area = area
-        self.residual = None if area is None else torch.zeros(
-            (area.rows, block_size, num_kv_heads, head_dim), dtype=residual_dtype, device=device)
+        self.residual: torch.Tensor | None = None  # flat residual storage, viewed [-1, chunk] (module docstring)
+        if area is not None:
+            row = block_size * num_kv_heads * head_dim
+            if area.lessor is None:
+                self.residual = torch.zeros(area.rows * row, dtype=residual_dtype, device=device)
+            else:  # rows live in leased pages' codes
+                self.residual = self.parts["data"].view(-1).view(residual_dtype)
+            self.chunk = row // area.k  # elements of one chunk
+            page_bytes = self.parts["data"][0].numel() * self.parts["data"].element_size()
+            if self.chunk * area.k != row or (area.lessor is not None
+                                              and self.chunk * self.residual.element_size() != page_bytes):
+                raise ValueError(f"a residual row of {row} elements does not split into {area.k} chunks of "
+                                 f"one page's codes ({page_bytes} bytes)")
 
     # -- what the attention backends see -------------------------------------
     @property
@@ -108,10 +164,23 @@ class PageStore:
         return next(iter(self.parts.values())).device
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.parts.values(), *([] if self.residual is None else [self.residual])]
+        """Every tensor with storage of its own (leased rows live in the parts)."""
+        own = self.residual is not None and self.area.lessor is None
+        return [*self.parts.values(), *([self.residual] if own else [])]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N] int64 -> [N, bs, Hkv, D] residual rows (residual dtype)."""
+        chunks = self.area.lease.index_select(0, rows).view(-1)  # [N * k]
+        x = self.residual.view(-1, self.chunk).index_select(0, chunks)  # [N * k, chunk]
+        return x.view(rows.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+
+    def write_rows(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """x [N, bs, Hkv, D] -> residual rows [N] int64."""
+        chunks = self.area.lease.index_select(0, rows).view(-1)  # [N * k]
+        self.residual.view(-1, self.chunk)[chunks] = x.reshape(-1, self.chunk).to(self.residual.dtype)
 
     # -- reads ------------------------------------------------------------------
     def read_pages(self, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +190,7 @@ class PageStore:
             rows = self.area.row_of.index_select(0, pages)  # [N]
             open_ = (rows >= 0).nonzero().view(-1)
             if open_.numel():
-                x[open_] = self.residual.index_select(0, rows[open_]).to(dtype)
+                x[open_] = self.read_rows(rows[open_]).to(dtype)
         return x
 
     def read_slots(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,7 +230,7 @@ class PageStore:
                                                 torch.float32)
         from_rows = (plan.old_rows >= 0).nonzero().view(-1)
         if from_rows.numel():
-            buf[from_rows] = self.residual.index_select(0, plan.old_rows[from_rows]).float()
+            buf[from_rows] = self.read_rows(plan.old_rows[from_rows]).float()
         buf.view(P * bs, self.num_kv_heads, self.head_dim)[plan.index] = x.float()
         sealed = (plan.new_rows < 0).nonzero().view(-1)
         if sealed.numel():
@@ -171,11 +240,11 @@ class PageStore:
                 self.parts[name][pages] = t
         kept = (plan.new_rows >= 0).nonzero().view(-1)
         if kept.numel():
-            self.residual[plan.new_rows[kept]] = buf[kept].to(self.residual.dtype)
+            self.write_rows(plan.new_rows[kept], buf[kept])
 
     def seal_rows(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
         """Encode open pages [N] from their residual rows [N] into the parts (all their slots)."""
-        buf = self.residual.index_select(0, rows).float()  # [N, bs, Hkv, D]
+        buf = self.read_rows(rows).float()  # [N, bs, Hkv, D]
         valid = torch.ones(buf.shape[:2], dtype=torch.bool, device=buf.device)
         for name, t in self.codec.encode(buf, valid).items():
             self.parts[name][pages] = t
@@ -185,7 +254,7 @@ class PageStore:
             t[dst] = t[src]
 
     def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        self.residual[dst_rows] = self.residual[src_rows]
+        self.write_rows(dst_rows, self.read_rows(src_rows))
 
 
 def plan_write(slot_mapping: torch.Tensor, block_size: int, codecs: tuple[PageCodec, PageCodec],

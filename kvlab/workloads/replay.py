@@ -36,9 +36,9 @@ FollowUp = Callable[[Request, object, float], list[Request]]
 ENGINE_STATS = ("tokens_per_s", "prompt_tokens", "generated_tokens", "busy_s", "elapsed_s", "num_requests",
                 "num_steps", "ttft_median_s", "ttft_p90_s", "tpot_median_s", "tpot_p90_s", "kv_blocks_total",
                 "kv_blocks_peak", "kv_blocks_mean", "kv_blocks_peak/*", "kv_blocks_mean/*", "kv_bytes_peak",
-                "kv_bytes_mean", "waste_internal", "waste_reservation", "waste_external", "preemptions",
-                "max_concurrent_seqs", "mean_concurrent_seqs", "cow_copies", "policy_*", "prefix_*", "sparse_*",
-                "spec_*")
+                "kv_bytes_mean", "kv_tokens_peak", "kv_tokens_mean", "waste_internal", "waste_reservation",
+                "waste_external", "preemptions", "max_concurrent_seqs", "mean_concurrent_seqs", "cow_copies",
+                "policy_*", "prefix_*", "sparse_*", "spec_*")
 
 
 def replay_metrics(prefix: str = "workload") -> tuple[str, ...]:

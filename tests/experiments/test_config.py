@@ -84,6 +84,10 @@ def test_every_option_composes_validates_and_builds(compose, group, option):
         assert composed[group]["name"] == option
         fields = plugin_fields(REGISTRIES[group].get(option))
         assert {k: v for k, v in composed[group].items() if k != "name"} == {k: d for k, (_, d) in fields.items()}
+    if group == "policy" and needs_budget(composed["policy"]):  # a policy that compresses with neither set
+        with pytest.raises(ConfigError, match=rf"^policy: policy '{option}' needs a budget .* or a compression_ratio"):
+            validate(cfg)
+        cfg = compose([f"{group}={option}", "policy.compression_ratio=0.5"])
     config = validate(cfg)
     if group in ("task", "workload", "logger") and config[group] is not None:
         params = {k: v for k, v in config[group].items() if k != "_target_"}
@@ -94,6 +98,12 @@ def test_every_option_composes_validates_and_builds(compose, group, option):
         params = {k: v for k, v in config[group].items() if k != "name"}
         built = REGISTRIES[group].build(config[group]["name"], **params)
         assert {k: getattr(built, k) for k in params} == params
+
+
+def needs_budget(node: dict) -> bool:
+    """A compressing policy's section that gives neither a budget nor a compression_ratio (refused)."""
+    compresses = REGISTRIES["policy"].get(node["name"]).compresses
+    return compresses and node.get("budget") is None and node.get("compression_ratio") is None
 
 
 def test_default_experiment_composes(compose):
@@ -213,6 +223,9 @@ def test_unknown_key_is_refused_with_its_path(compose):
     ("workload.arrival=later", r"^workload\.arrival: expected one of 'asap', 'real'"),
     ("logger.mode=sometimes", r"^logger\.mode: expected one of"),
     ("seed=zero", r"^seed: expected int"),
+    ("seed=-1", r"^seed: must be an integer in \[0, 2\*\*63\), got -1"),
+    ("engine.device=gpu0", r"^engine\.device: 'gpu0' is not a torch device"),
+    ("policy=snapkv", r"^policy: policy 'snapkv' needs a budget \(tokens kept per layer"),
 ])
 def test_bad_value_names_its_path(compose, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -246,7 +259,7 @@ def test_llm_kwargs_map_every_section_onto_engine_config(compose):
     assert set(kwargs) == set(plugin_fields(EngineConfig))
     engine = EngineConfig(**kwargs)
     assert (engine.model, engine.dtype, engine.seed, engine.block_size) == ("random:llama-tiny", "bfloat16", 3, 8)
-    assert (engine.allocator, engine.allocator_args) == ("contiguous", {"reserve": "max_model_len"})
+    assert (engine.allocator, engine.allocator_args) == ("contiguous", {"reserve": "request"})
     assert (engine.kernel_backend, engine.quant, engine.draft, engine.policy) == ("torch", "bf16", None, "full")
     assert engine.kv_cache_memory == 256 << 20 and engine.max_num_seqs == 256
 
@@ -268,7 +281,7 @@ def test_prefix_caching_options_reach_the_engine(compose):
 
 def test_validation_fills_plugin_defaults(compose):
     config = validate(compose(["engine.allocator=contiguous"]))
-    assert config["engine"]["allocator_args"] == {"reserve": "max_model_len"}
+    assert config["engine"]["allocator_args"] == {"reserve": "request"}
 
 
 def test_config_error_comes_before_any_model_load(compose, tmp_path, monkeypatch):

@@ -14,9 +14,29 @@ from kvlab.registry import QUANT_FORMATS, build
 HKV, D, BS = 2, 64, 32
 
 
-def make_cache(quant, num_blocks=8, residual_rows=None, block_size=BS, head_dim=D, layers=(0,)):
+def make_cache(quant, num_blocks=8, residual_rows=None, block_size=BS, head_dim=D, layers=(0,), lessor=None):
     return KVCache([LayerGroup(tuple(layers))], num_blocks, block_size, HKV, head_dim, quant, torch.float32, "cpu",
-                   residual_rows=residual_rows)
+                   residual_rows=residual_rows, lessor=lessor)
+
+
+class ListLessor:
+    """Leases pages from a fixed list (never a table's), scattered: the engine's is kvlab.quant.lease."""
+
+    def __init__(self, pages, held=()):
+        self.free, self.leases, self.held_pages, self._n = list(pages), {}, set(held), 0
+
+    def lease(self, n):
+        if len(self.free) < n:
+            return None
+        self._n += 1
+        self.leases[-self._n] = [self.free.pop(0) for _ in range(n)][::-1]  # out of order on purpose
+        return -self._n, self.leases[-self._n]
+
+    def give_back(self, key):
+        self.free.extend(self.leases.pop(key))
+
+    def held(self):
+        return self.held_pages.__contains__
 
 
 def elem_scale(cache: KVCache, side: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -44,15 +64,30 @@ def test_pack_round_trip(bits):
 def test_registered_and_parameters_checked():
     assert {"int8", "int4", "int2"} <= set(QUANT_FORMATS.names())
     fmt = build("quant", "int4")
-    assert (fmt.group_size, fmt.residual) == (32, 32)
+    assert (fmt.group_size, fmt.residual) == (None, 32)
     with pytest.raises(ValueError, match="residual must be an integer >= 0"):
         build("quant", "int2", residual=-1)
     with pytest.raises(ValueError, match="group_size must be a positive integer"):
         build("quant", "int4", group_size=0)
     with pytest.raises(ValueError, match="group_size must divide head_dim 48"):
-        build("quant", "int4").check_shape(2, 48, 32)
+        build("quant", "int4", group_size=32).check_shape(2, 48, 32)
     with pytest.raises(ValueError, match="group_size must divide block_size 16"):
-        build("quant", "int4").check_shape(2, 64, 16)
+        build("quant", "int4", group_size=32).check_shape(2, 64, 16)
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_default_groups_follow_the_block_size_and_head_dim(name):
+    """group_size=None: key groups of gcd(32, block_size) tokens, value groups of gcd(32, head_dim) channels,
+    so every block size from 4 up runs (the engine's default 16 included); smaller pages are refused."""
+    fmt = build("quant", name)
+    for bs, d, (gk, gv) in ((16, 64, (16, 32)), (32, 64, (32, 32)), (128, 16, (32, 16)), (4, 48, (4, 16))):
+        fmt.check_shape(2, d, bs)
+        k, v = fmt.codecs(bs, d)
+        assert (k.group_size, v.group_size) == (gk, gv)
+        assert fmt.storage(bs, 2, d, torch.float32)[0]["scale"].shape == (bs // gk, 2, d)
+    with pytest.raises(ValueError, match="block_size 2 would leave key groups of 2 token"):
+        fmt.check_shape(2, 64, 2)
+    build("quant", name, group_size=2).check_shape(2, 64, 2)  # an explicit group is the user's choice
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
@@ -193,10 +228,10 @@ def test_reference_attention_reads_packed_pages(name):
     torch.testing.assert_close(out, want)
 
 
-def _filled_cache(name, residual=BS):
+def _filled_cache(name, residual=BS, lessor=None, **qargs):
     torch.manual_seed(4)
-    quant = build("quant", name, **({} if name == "int8" else {"residual": residual}))
-    cache = make_cache(quant)
+    quant = build("quant", name, **({} if name == "int8" else {"residual": residual, **qargs}))
+    cache = make_cache(quant, num_blocks=8 if lessor is None else 100, lessor=lessor)
     lens, tables = [50, 70, 3], [[1, 2], [3, 4, 5], [6]]
     for table, n in zip(tables, lens):
         index = torch.arange(n)
@@ -222,6 +257,66 @@ def test_triton_attention_dequantises_packed_pages(name):
     want, want_stats = paged_attention_ref(q, cache.k(0), cache.v(0), bt, cu, lens, 0.125, return_stats=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)
+
+
+TABLE_PAGES = (1, 2, 3, 4, 5, 6)  # _filled_cache's tables
+
+
+@pytest.mark.parametrize("name,residual_dtype,k", [("int4", "compute", 8), ("int2", "compute", 16),
+                                                   ("int4", "bfloat16", 4)])
+def test_leased_rows_hold_what_an_own_area_holds(name, residual_dtype, k):
+    """Rows leased from pool pages (k pages of codes a row, scattered) read back exactly what rows of an
+    area of their own hold, never touch a table's page, and go back when their pages are sealed."""
+    own, bt, lens = _filled_cache(name, residual_dtype=residual_dtype)
+    lessor = ListLessor(range(10, 100), held=TABLE_PAGES)
+    leased, _, _ = _filled_cache(name, lessor=lessor, residual_dtype=residual_dtype)
+    assert leased.area.k == k and leased.residual_nbytes() == 0 and own.residual_nbytes() > 0
+    assert leased.area.open_pages().keys() == own.area.open_pages().keys() != set()
+    assert leased.leased_pages() == k * len(own.area.open_pages())
+    assert not {p for pages in lessor.leases.values() for p in pages} & set(TABLE_PAGES)
+    pages = torch.tensor(TABLE_PAGES)
+    for a, b in ((own.k(0), leased.k(0)), (own.v(0), leased.v(0))):
+        assert torch.equal(a.read_pages(pages, torch.float32), b.read_pages(pages, torch.float32))
+    open_pages = sorted(leased.area.open_pages())
+    slots = torch.tensor([p * BS + i for p in open_pages for i in range(BS)])
+    x = torch.randn(len(slots), HKV, D)
+    write(leased, x, x, slots, seal=set(open_pages))  # every open page leaves the window
+    leased.begin_step([torch.tensor([-1])], [set()])  # the next step: their rows go back
+    assert leased.area.num_leased == 0 and len(lessor.free) == 90 and not leased.area.open_pages()
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_triton_attention_reads_leased_rows(name):
+    """The Triton kernels read residual rows through the lease table (chunks in scattered pages' codes)."""
+    from kvlab.kernels.paged_attention import paged_attention
+
+    cache, bt, lens = _filled_cache(name, lessor=ListLessor(range(10, 100), held=TABLE_PAGES))
+    assert cache.area.num_leased > 0
+    cu = torch.tensor([0, 1, 4, 5])
+    q = torch.randn(5, 4, D)
+    got, stats = paged_attention(q, cache.k(0), cache.v(0), bt, cu, lens, 0.125, return_stats=True)
+    want, want_stats = paged_attention_ref(q, cache.k(0), cache.v(0), bt, cu, lens, 0.125, return_stats=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)
+
+
+def test_open_pages_nobody_holds_are_sealed_and_give_their_rows_back():
+    """A finished sequence's open pages: encoded from their rows (within half a step of what was written)
+    and their leased pages returned; pages still held stay open."""
+    lessor = ListLessor(range(10, 100), held=TABLE_PAGES)
+    cache, _, _ = _filled_cache("int4", lessor=lessor)
+    before = {p: cache.k(0).read_pages(torch.tensor([p]), torch.float32) for p in cache.area.open_pages()}
+    held_open = set(before) & {3, 4, 5}
+    lessor.held_pages -= {1, 2, 6}  # the first and last sequences finished
+    cache.release_unheld()
+    assert set(cache.area.open_pages()) == held_open and cache.area.num_leased == len(held_open)
+    for p, x in before.items():
+        back = cache.k(0).read_pages(torch.tensor([p]), torch.float32)
+        if p in held_open:
+            assert torch.equal(back, x)
+        else:
+            step = cache.k(0).codec.steps({n: t[p:p + 1] for n, t in cache.k(0).parts.items()})
+            assert bool(((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all())
 
 
 def test_triton_store_and_block_kernels_refuse_packed_pages():

@@ -1,0 +1,76 @@
+"""The same lm-eval task set through the `kvlab` model and lm-eval's `hf` backend, same weights (fp32, full
+cache), same run: per-task metrics side by side, the per-request parity figures and each backend's wall time.
+
+    .venv/bin/python experiments/bench_lm_eval.py --model smollm2-135m \
+        --limit kvlab_lambada_wikitext=40 kvlab_lambada_wikitext_gen=20 kvlab_wikitext2=2 kvlab_niah=6
+
+Writes experiments/results/lm_eval_backends_<model>.md (the table and the command) and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from kvlab.lm_eval.parity import compare, evaluate_both
+
+DEFAULT_LIMITS = ["kvlab_lambada_wikitext=40", "kvlab_lambada_wikitext_gen=20", "kvlab_wikitext2=2", "kvlab_niah=6"]
+
+
+def parse_limits(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        task, _, n = item.partition("=")
+        out[task] = int(n)
+    return out
+
+
+def table(comparisons, kv, hf) -> list[str]:
+    lines = ["| task | samples | metric | kvlab | hf | max abs. Δ log-lik. | is_greedy / generation mismatches |",
+             "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        mismatches = c.greedy_mismatches if c.greedy_mismatches is not None else c.generation_mismatches
+        delta = "" if c.max_abs_loglik_diff is None else f"{c.max_abs_loglik_diff:.2e}"
+        for i, (metric, (a, b)) in enumerate(c.metrics.items()):
+            first = i == 0
+            lines.append(f"| {c.task if first else ''} | {c.samples if first else ''} | {metric} | {a:.6g} | {b:.6g} "
+                         f"| {delta if first else ''} | {'' if not first or mismatches is None else mismatches} |")
+    lines += ["", "| backend | wall time (s) |", "|---|---|", f"| kvlab | {kv.wall_s:.1f} |", f"| hf | {hf.wall_s:.1f} |"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--limit", nargs="+", default=DEFAULT_LIMITS, help="task=documents ...")
+    parser.add_argument("--max-model-len", type=int, default=1025, help="kvlab's; hf's max_length is one less")
+    parser.add_argument("--kv-batch-size", type=int, default=64, help="requests per LLM.score / generate call")
+    parser.add_argument("--hf-batch-size", type=int, default=1, help="lm-eval hf backend's batch_size")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
+    args = parser.parse_args(argv)
+    limits = parse_limits(args.limit)
+    kv, hf = evaluate_both(args.model, list(limits), limits, max_model_len=args.max_model_len,
+                           kv_batch_size=args.kv_batch_size, hf_batch_size=args.hf_batch_size)
+    comparisons = compare(kv, hf)
+    command = " ".join([".venv/bin/python", "experiments/bench_lm_eval.py", *map(shlex.quote, sys.argv[1:])])
+    lines = [f"# lm-eval through kvlab and hf: {args.model}", "", f"Command: `{command}`", "",
+             f"fp32 weights, full cache; max_length {args.max_model_len - 1} for both; kvlab batch_size "
+             f"{args.kv_batch_size}, hf batch_size {args.hf_batch_size}; both evaluations in one process, kvlab "
+             "first; wall time of `lm_eval.simple_evaluate` (model loading excluded).", "",
+             *table(comparisons, kv, hf), ""]
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"lm_eval_backends_{args.model}"
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "limits": limits, "wall_s": {"kvlab": kv.wall_s, "hf": hf.wall_s},
+         "kvlab_stats": {k: v for k, v in kv.extra.get("stats", {}).items() if isinstance(v, (int, float))},
+         "tasks": [asdict(c) for c in comparisons]}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
