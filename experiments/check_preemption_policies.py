@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "preemption_policies"))
     opts = p.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS",) if k in os.environ)
+    command = env + "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
     prompts = make_prompts(opts.num_requests, opts.seed)
     rows = []
     for label, policy, args in configurations(opts.policies):

@@ -7,7 +7,8 @@ layer *slot within a group*. What a page holds is the format's business (kvlab.q
         k[s], v[s]:     [num_pages + 1, block_size, heads, head_dim]  (storage dtype; heads = num_kv_heads,
                         or 1 where every (layer, KV head) has its own table: per-head budgets)
         scales[layer]:  (k_scale [num_kv_heads], v_scale [num_kv_heads]) float32 fixed by the configuration, or None
-    packed formats (int8 / int4 / int2, fp8 with per-token scales): k[s], v[s] are kvlab.quant.page_store.PageStore objects,
+    packed formats (int8 / int4 / int2, fp8 with per-token scales): k[s], v[s] are PageStore objects
+        (kvlab.quant.page_store),
         a dict of page parts each [num_pages + 1, *part shape] (codes, scales, zero points), plus
         full-precision residual rows [block_size, heads, D] when the format keeps a residual window
         (which page is open, and where its row lives, is the one `ResidualArea`'s): with a lessor
@@ -94,7 +95,8 @@ class KVCache:
         self._busy: set[int] = set()
 
     def _residual_area(self, num_blocks, block_size, heads, head_dim, device, rows, lessor) -> ResidualArea:
-        k = pages_per_row(self.codecs, block_size, heads, head_dim, self.quant.residual_storage_dtype(self.compute_dtype))
+        dtype = self.quant.residual_storage_dtype(self.compute_dtype)
+        k = pages_per_row(self.codecs, block_size, heads, head_dim, dtype)
         if lessor is not None and k:
             return ResidualArea(num_blocks + 1, num_blocks // k, device, k, lessor)
         return ResidualArea(num_blocks + 1, num_blocks if rows is None else rows, device)

@@ -102,7 +102,8 @@ class LLMEngine:
         if isinstance(self.policy, SparseReadPolicy) and getattr(self.quant, "packed", False):
             raise ValueError(f"policy {config.policy!r} reads selected pages through key summaries that packed "
                              f"formats do not keep yet; use quant {config.quant!r} without {config.policy!r}, or an "
-                             f"unpacked format (fp32, bf16, fp16, fp8_e4m3, fp8_e5m2)")
+                             f"unpacked format (fp32, bf16, fp16, or fp8_e4m3 / fp8_e5m2 with quant_args "
+                             f"{{'scaling': 'fixed'}})")
         check_engine(self.policy, config)
         if self.policy.compresses and type(allocator).compact is Allocator.compact:
             raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "

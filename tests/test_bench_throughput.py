@@ -57,4 +57,6 @@ def test_quick_run_writes_three_sections(tmp_path):
     # held but unwritten slots, per step: contiguous >= 256 - 135 of 336; paged < 16 per running sequence
     assert contiguous["waste_internal"] + contiguous["waste_reservation"] >= 120 / 336 > (
         paged["waste_internal"] + paged["waste_reservation"])
-    assert data["ratios"]["trace_kvlab_over_best_hf"] > 0
+    best_hf = max(r["tok_s"] for system, r in trace.items() if system != "kvlab")
+    assert data["ratios"]["trace_kvlab_over_best_hf"] == pytest.approx(trace["kvlab"]["tok_s"] / best_hf)
+    assert f"kvlab / best HF path: {data['ratios']['trace_kvlab_over_best_hf']:.2f}x" in md  # the figure printed

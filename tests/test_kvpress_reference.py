@@ -77,12 +77,13 @@ def kvlab_run(loaded, press: str, params: dict, ratio: float | None, token_ids: 
     return list(out), kept
 
 
-def check_run(loaded, reference, run: dict) -> None:
+def check_run(loaded, reference, run: dict, continuation: bool = True) -> None:
+    """kvlab keeps the reference's tokens in every layer and KV head (and continues with its tokens)."""
     decode = reference_format().decode_kept
     prompt = reference["prompts"][run["prompt"]]["token_ids"]
     press, ratio = run["press"], run["compression_ratio"]
     out, kept = kvlab_run(loaded, press, reference["presses"][press]["parameters"], ratio, prompt,
-                          len(run["continuation"]))
+                          len(run["continuation"]) if continuation else 1)
     where = f"{press} r={ratio} prompt {run['prompt']}"
     assert sorted(kept) == list(range(len(run["kept"]))), f"{where}: layers compressed {sorted(kept)}"
     for layer, heads in enumerate(run["kept"]):
@@ -98,21 +99,27 @@ def check_run(loaded, reference, run: dict) -> None:
             mine, other = set(ours[head]) - set(theirs), set(theirs) - set(ours[head])
             tie = {scores[head][i] for i in mine | other}
             assert run["score_margin_per_layer"][layer] == 0 and len(tie) == 1, (
-                f"{where}: layer {layer} head {head} keeps {sorted(mine)} instead of {sorted(other)} (scores "
-                f"{sorted(tie)}, boundary margin {run['score_margin_per_layer'][layer]:.1e})")
-    assert out == run["continuation"], f"{where}: continuation differs"
+                f"{where}: layer {layer} head {head} keeps {len(mine)} tokens the reference drops "
+                f"({sorted(mine)[:6]}...) instead of {sorted(other)[:6]}... (boundary margin "
+                f"{run['score_margin_per_layer'][layer]:.1e})")
+    assert out == run["continuation"][: len(out)], f"{where}: continuation differs"
+
+
+FAST = ("snapkv", "streaming_llm", "knorm", "pyramidkv_window8")  # a vote, a fixed pattern, a norm, a schedule
 
 
 @pytest.mark.model
-def test_every_press_keeps_the_reference_tokens_and_continues_alike(load_reference, reference):
-    """All 8 presses at ratio 0.5 on the shortest prompt (317 tokens): every kept set and the continuation."""
+def test_presses_keep_the_reference_tokens(load_reference, reference):
+    """Four presses at ratio 0.5 on the shortest prompt (317 tokens): every kept set (30 layers x 3 KV heads),
+    and SnapKV's and StreamingLLM's 32-token continuations (every press, ratio and continuation: heavy, below)."""
     loaded = load_reference("smollm2-135m")
-    runs = [r for r in reference["runs"] if r["prompt"] == 0 and r["compression_ratio"] == 0.5]
-    assert len(runs) == 8
+    runs = [r for r in reference["runs"] if r["prompt"] == 0 and r["compression_ratio"] == 0.5 and r["press"] in FAST]
+    assert len(runs) == len(FAST)
     for run in runs:
-        check_run(loaded, reference, run)
+        check_run(loaded, reference, run, continuation=run["press"] in ("snapkv", "streaming_llm"))
 
 
+@pytest.mark.heavy
 @pytest.mark.model
 def test_the_full_cache_continues_as_the_no_press_control(load_reference, reference):
     prompt = reference["prompts"][0]
@@ -123,9 +130,9 @@ def test_the_full_cache_continues_as_the_no_press_control(load_reference, refere
 
 @pytest.mark.heavy
 @pytest.mark.model
-@pytest.mark.parametrize("ratio", [0.25, 0.75])
-@pytest.mark.parametrize("prompt", [1, 3])  # 375 tokens (PyramidKV's round-half-even budget) and 577
-def test_every_press_keeps_the_reference_tokens_at_other_ratios_and_lengths(load_reference, reference, prompt, ratio):
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("prompt", [0, 1, 3])  # 317, 375 (PyramidKV's round-half-even budget) and 577 tokens
+def test_every_press_keeps_the_reference_tokens_and_continues_alike(load_reference, reference, prompt, ratio):
     loaded = load_reference("smollm2-135m")
     for run in (r for r in reference["runs"] if r["prompt"] == prompt and r["compression_ratio"] == ratio):
         check_run(loaded, reference, run)

@@ -50,6 +50,7 @@ def test_fp8_cache_does_not_depend_on_earlier_requests(quant, qargs):
 
 
 @pytest.mark.model
+@pytest.mark.heavy
 @pytest.mark.parametrize("qargs", [{}, {"scaling": "fixed"}], ids=["default", "fixed"])
 def test_smollm2_text_does_not_depend_on_an_earlier_request(load_reference, qargs):
     """The issue's case: SmolLM2, a sentence on a fresh engine and after an unrelated 3-token request."""

@@ -39,7 +39,8 @@ def make(policy: str = "full", args: dict | None = None, **engine) -> LLM:
 
 
 class Steps:
-    """Counts the engine's steps (1-based) and raises once, from a wrapped function, in step `at`."""
+    """Counts the engine's steps (1-based) and raises once, from a wrapped function, in step `at` (at its
+    `call`-th call in that step)."""
 
     def __init__(self, engine, at: int):
         self.engine, self.at, self.count, self.fired = engine, at, 0, False
@@ -50,11 +51,13 @@ class Steps:
         self.count += 1
         return self._step()
 
-    def wrap(self, owner, name: str) -> None:
+    def wrap(self, owner, name: str, call: int = 1) -> None:
         real = getattr(owner, name)
+        calls = {}
 
         def faulty(*args, **kwargs):
-            if self.count == self.at and not self.fired:
+            calls[self.count] = calls.get(self.count, 0) + 1
+            if self.count == self.at and calls[self.count] == call and not self.fired:
                 self.fired = True
                 raise Injected(f"injected into {name} at step {self.at}")
             return real(*args, **kwargs)
@@ -180,7 +183,7 @@ def test_a_fault_in_advancing_scheduling_or_sampling_leaves_the_clean_answers(st
     if stage == "sample":
         monkeypatch.setattr(kvlab.llm_engine, "sample", kvlab.llm_engine.sample)  # the real one is put back
         steps.wrap(kvlab.llm_engine, "sample")
-    else:
-        steps.wrap(llm.engine.block_manager, stage)
+    else:  # scheduling fails after the first sequence of the batch was given its slots
+        steps.wrap(llm.engine.block_manager, stage, call=2 if stage == "append" else 1)
     assert drive(llm.engine, GREEDY, ps, steps) == want
     assert_drained(llm)

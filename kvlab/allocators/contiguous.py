@@ -25,7 +25,8 @@ from kvlab.registry import ALLOCATORS
 class ContiguousAllocator(Allocator):
     """One contiguous reservation per sequence, sized for its maximum length, first fit."""
 
-    reserve: str = "request"  # "request" (prompt + max new tokens) | "max_model_len" (classic Orca Max) | "pow2" (request, rounded up to a power of two)
+    reserve: str = "request"  # "request" (prompt + max new tokens) | "max_model_len" (classic Orca Max) |
+    # "pow2" (the request's length rounded up to a power of two)
 
     def __post_init__(self) -> None:
         if self.reserve not in ("max_model_len", "request", "pow2"):

@@ -91,7 +91,8 @@ class TreeDraft(ModelDraft):
     def setup(self, engine) -> None:
         if getattr(engine.quant, "packed", False):
             raise ValueError(f"draft tree with quant {engine.config.quant!r}: the accepted path's KV is moved into "
-                             f"place slot by slot, which packed pages do not support yet; use an unpacked format")
+                             f"place slot by slot, which packed pages do not support yet; use an unpacked format "
+                             f"(fp32, bf16, fp16, or fp8 with scaling='fixed')")
         super().setup(engine)
 
     def _draft_model(self, engine) -> torch.nn.Module:

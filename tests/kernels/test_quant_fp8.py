@@ -88,7 +88,8 @@ def test_triton_attention_reads_per_token_fp8_pages(name):
     torch.manual_seed(3)
     cache = KVCache([LayerGroup((0,))], 8, 16, 2, 64, build("quant", name, candidates=4), torch.float32, "cpu")
     lens, tables = [20, 35, 3], [[1, 2], [3, 4, 5], [6]]
-    slots = torch.cat([torch.tensor(t)[torch.arange(n) // 16] * 16 + torch.arange(n) % 16 for t, n in zip(tables, lens)])
+    slots = torch.cat([torch.tensor(t)[torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+                       for t, n in zip(tables, lens)])
     x = torch.randn(len(slots), 2, 64) * 3
     cache.begin_step([slots])
     cache.store(0, x, x.flip(-1), slots)
