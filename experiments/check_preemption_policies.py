@@ -1,10 +1,12 @@
-"""Does preemption change an answer under a compressing policy? Every compressing built-in, a tiny pool
-against a big one, greedy: the outputs must be identical, request by request.
+"""Does preemption change an answer under a compressing policy? Every compressing built-in (and quest, which
+reads selected pages at decode), a tiny pool against a big one, greedy: the outputs must be identical,
+request by request.
 
 A preempted request is recomputed from its tokens (prompt plus what it generated). Compression points
 are defined in token time (the prompt's end; with when="decode" every `every` tokens after it) and no
 chunk runs past one, so the recompute compresses at the tokens the first pass did and rebuilds exactly
-what it kept (docs/design.md, "Reliability rules"). The issue's case (issue 21, item 2): random:llama-tiny,
+what it kept; under sparse reading its generated tokens are recomputed one a step, as the decode rows
+they were (docs/design.md, "Admission under per-chunk compression"). The issue's case (issue 21, item 2): random:llama-tiny,
 random prompts of 10-60 tokens, max_tokens 16, EOS ignored, ratio 0.5, a 96 KiB pool against 16 MiB.
 
     python experiments/check_preemption_policies.py                     # 200 requests, every policy
@@ -40,8 +42,9 @@ ARGS = {
     "expected_attention": {"compression_ratio": 0.5, "n_future_positions": 64},
     "adakv": {"compression_ratio": 0.5, "scorer_args": {"window_size": 8}},
     "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5},
+    "quest": {"budget": 32, "dense_layers": 0},  # evicts nothing, reads selected pages at decode (as rocketkv)
 }
-PREFILL_ONLY = ("adakv", "rocketkv")  # compress once, at the end of prefill
+PREFILL_ONLY = ("adakv", "rocketkv", "quest")  # compress once, at the end of prefill (quest: never)
 DECODE = {"when": "decode", "every": 4}
 
 
@@ -83,7 +86,7 @@ def check(label: str, policy: str, args: dict, prompts, opts) -> dict:
 
 
 def report(rows: list[dict], command: str, opts) -> str:
-    lines = ["# Preemption under every compressing policy", "",
+    lines = ["# Preemption under every compressing policy (and quest)", "",
              f"Command: `{command}`  ",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')}.", "",
              f"random:llama-tiny, {opts.num_requests} random prompts of 10-60 tokens (seed {opts.seed}), "
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prefill-chunk", type=int, default=None)
     p.add_argument("--policies", nargs="+", default=list(ARGS), choices=list(ARGS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "experiments" / "results" / "preemption_policies"))
+    p.add_argument("--out", default="experiments/results/preemption_policies", help="relative to the repository")
     opts = p.parse_args(argv)
     env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS",) if k in os.environ)
     command = env + "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"{label:36s} preempted {len(r['preempted']):4d}  differing {len(r['differing']):4d}  "
               f"({r['seconds']} s)", flush=True)
-    out = Path(opts.out)
+    out = REPO / opts.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report(rows, command, opts))
     out.with_suffix(".json").write_text(json.dumps({"command": command, "options": vars(opts), "rows": rows},

@@ -2,15 +2,17 @@
 # The leaderboard through lm-evaluation-harness (conf/experiment/lm_eval_leaderboard.yaml) for one model:
 #   bash experiments/lm_eval_leaderboard.sh smollm2-135m        # -> experiments/results/lm_eval_leaderboard_smollm2-135m/
 #   POLICIES=snapkv,streaming_llm RATIOS=0.5 LIMIT=20 bash experiments/lm_eval_leaderboard.sh gemma3-270m   # a smaller grid
-# The `full` reference once, then POLICIES x RATIOS (default: the experiment's six policies x 0.25/0.5/0.75) on
-# TASKS (default: the experiment's), LIMIT documents per task; finished jobs are skipped on a rerun.
+# The `full` reference once, then POLICIES x RATIOS (default: six policies x 0.25/0.5/0.75, as the experiment's
+# sweep) on TASKS (default: the experiment's), LIMIT documents per task; finished jobs are skipped on a rerun.
+# THROUGHPUT=1 adds the KV MiB held and tokens/s columns: the policy leaderboard's workload-only sweep (a batch
+# of 16 Azure code-trace requests, conf/experiment/leaderboard.yaml) into the same study, merged by kvlab-report
+# per (policy, ratio). Timing: run it on quiet cores.
 set -uo pipefail
 MODEL=${1:-smollm2-135m}
 PY=${PY:-.venv/bin/python}
 STUDY=lm_eval_leaderboard_${MODEL}
-GRID=()
-[ -n "${POLICIES:-}" ] && GRID+=("policy=${POLICIES}")
-[ -n "${RATIOS:-}" ] && GRID+=("policy.compression_ratio=${RATIOS}")
+GRID=("policy=${POLICIES:-snapkv,pyramidkv,streaming_llm,tova,knorm,expected_attention}"
+      "policy.compression_ratio=${RATIOS:-0.25,0.5,0.75}")
 SIZES=()
 [ -n "${LIMIT:-}" ] && SIZES+=("task.limit=${LIMIT}")
 [ -n "${TASKS:-}" ] && SIZES+=("task.tasks=${TASKS}")
@@ -18,5 +20,10 @@ COMMON=(experiment=lm_eval_leaderboard "model=${MODEL}" "name=${STUDY}" "${SIZES
 status=0
 $PY -m kvlab -m "${COMMON[@]}" policy=full policy.compression_ratio=0 || status=1
 $PY -m kvlab -m "${COMMON[@]}" "${GRID[@]}" || status=1
+if [ "${THROUGHPUT:-0}" = 1 ]; then
+    TIMING=(experiment=leaderboard "model=${MODEL}" "name=${STUDY}" task=none)
+    $PY -m kvlab -m "${TIMING[@]}" policy=full policy.compression_ratio=0 || status=1
+    $PY -m kvlab -m "${TIMING[@]}" "${GRID[@]}" || status=1
+fi
 $PY -m kvlab.report "multirun/${STUDY}" --out "experiments/results/lm_eval_leaderboard_${MODEL}" || status=1
 exit $status

@@ -18,6 +18,15 @@ from kvlab import LLM, SamplingParams
 PROMPT_LENGTHS = (100, 77)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def prompts(seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
@@ -95,7 +104,8 @@ def check_against_gather(records: list[dict], num_kv_heads: int, atol: float = 0
                 heads = [heads[head]] if head is not None else heads  # a per-head table holds its own head
                 index = torch.tensor(heads, dtype=torch.long).T[..., None].expand(-1, -1, k0.shape[-1])  # [m, H, D]
                 ref_k, ref_v = k0.gather(0, index), v0.gather(0, index)
-            where = f"seq {r['seq']} at {r['computed']} tokens, layer {layer}" + ("" if head is None else f" head {head}")
+            where = f"seq {r['seq']} at {r['computed']} tokens, layer {layer}" + (f" head {head}" if head is not None
+                                                                                  else "")
             assert k1.shape == ref_k.shape, f"{where}: K holds {tuple(k1.shape)}, the kept set {tuple(ref_k.shape)}"
             torch.testing.assert_close(k1, ref_k, atol=atol, rtol=0, msg=lambda m: f"{where}, K: {m}")
             torch.testing.assert_close(v1, ref_v, atol=atol, rtol=0, msg=lambda m: f"{where}, V: {m}")

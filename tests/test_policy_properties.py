@@ -23,6 +23,15 @@ from kvlab.registry import POLICIES
 L, HKV, HQ, D = 40, 2, 4, 8  # a tiny layer: 40 cached tokens, 2 KV heads (2 query heads each), head_dim 8
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def inputs(n: int = L, seed: int = 0, hkv: int = HKV, hq: int = HQ, w: int | None = None):
     """keys / values [n, Hkv, D], queries [w or n, Hq, D] (sharp enough that attention is far from uniform),
     attention statistics [n, Hkv] (positive, distinct)."""
@@ -384,7 +393,8 @@ def test_adakv_shares_the_layer_budget_adaptively_above_a_safeguard():
     score = [v + [math.inf] * w for v in votes]  # [Hkv][L]
     safe = max(1, int(budget * alpha))
     chosen = [top(score[h], safe) for h in range(HKV)]
-    rest = sorted(((h, i) for h in range(HKV) for i in range(n) if i not in chosen[h]), key=lambda x: -score[x[0]][x[1]])
+    rest = sorted(((h, i) for h in range(HKV) for i in range(n) if i not in chosen[h]),
+                  key=lambda x: -score[x[0]][x[1]])  # the best remaining (head, token) pairs of the layer
     for h, i in rest[: budget * HKV - safe * HKV]:
         chosen[h].add(i)
     assert [set(k) for k in heads] == chosen

@@ -8,9 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tokens(n: int, seed: int) -> list[int]:
