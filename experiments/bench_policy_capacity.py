@@ -61,6 +61,7 @@ def measure(model: str, loaded, policy: str, policy_args: dict, engine_args: dic
 def replay(model: str, loaded, policy: str, policy_args: dict, engine_args: dict, prompts, args) -> dict:
     """A run's concurrency without the model (see --replay): the engine's pieces, driven in its step order."""
     from kvlab import LLM, SamplingParams
+    from kvlab.attention import plan_step
 
     engine = LLM(model, loaded=loaded, policy=policy, policy_args=policy_args, kv_cache_memory=args.kv_memory,
                  block_size=args.block_size, max_model_len=args.max_model_len,
@@ -75,6 +76,8 @@ def replay(model: str, loaded, policy: str, policy_args: dict, engine_args: dict
         if not batch.seqs:
             raise RuntimeError("replay: nothing could be scheduled")
         due = [comp.due(q, n) for q, n in zip(batch.seqs, batch.num_new_tokens)] if comp else [False] * len(batch)
+        plan_step(batch.seqs, batch.num_new_tokens, bm, engine.cache, engine.config.device)
+        engine.cache.plan_writes()  # the writes' residual rows, leased from the pool as a run's forward does
         sched.advance(batch)
         engine._record_step(batch.num_preempted)
         for seq, is_due in zip(batch.seqs, due):

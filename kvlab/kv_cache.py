@@ -126,6 +126,15 @@ class KVCache:
             bs = self.block_size
             self._busy = {s // bs for m in slot_mappings for s in m.tolist() if s >= 0}
 
+    def plan_writes(self) -> None:
+        """Every group's write plan of the step begun, as each group's first store builds it (residual rows
+        taken or leased, pages sealed), without writing K/V: what a replay without the model calls where
+        the forward would store (kvlab.attention.plan_step begins the step)."""
+        if not self.quant.packed:
+            return
+        for g, (mapping, _) in list(self._step.items()):
+            self._write_plan(self.groups[g].layers[0], mapping, self.groups[g].head)
+
     def _write_plan(self, layer: int, slot_mapping: torch.Tensor, head: int | None) -> WritePlan:
         g = next(g for g, h in self.groups_of[layer] if h == head)
         plan = self._plans.get(g)

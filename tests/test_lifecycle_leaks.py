@@ -108,7 +108,7 @@ def test_aborted_preempted_and_finished_requests_leave_nothing_behind(config):
     assert leftovers(engine) == {}
 
 
-@pytest.mark.parametrize("config", ["snapkv-decode", "h2o-decode", "ngram", "quest"])
+@pytest.mark.parametrize("config", ["h2o-decode", "ngram"])
 def test_a_failed_generate_leaves_nothing_behind(config, monkeypatch):
     """A step fails (the sampler raises) while requests decode, some with n > 1: generate() aborts them all."""
     llm = make(config)

@@ -99,7 +99,7 @@ def test_policies_keep_the_positions_of_what_they_keep():
         tokens, cache, cached, done = p + out, DynamicCache(), 0, 0
         for start, n, kept in steps:
             with torch.no_grad():
-                logits = loaded.model(input_ids=torch.tensor([tokens[start:start + n]]), past_key_values=cache,
+                logits = loaded.model(input_ids=torch.tensor([tokens[start:start + n]]), cache=cache,
                                       position_ids=torch.arange(start, start + n)[None],
                                       cache_position=torch.arange(cached, cached + n), use_cache=True).logits[0, -1]
             cached += n

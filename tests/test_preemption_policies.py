@@ -98,7 +98,7 @@ def test_every_compressing_built_in_is_covered():
 
 # the default suite runs one configuration of each mechanism a recompute must rebuild (the prompt-end stop,
 # decode-time points, recorded queries, accumulated attention, per-head tables, sparse reading); the rest heavy
-DEFAULT = {"snapkv", "snapkv-decode", "h2o-decode", "streaming_llm-decode", "adakv", "rocketkv", "quest"}
+DEFAULT = {"snapkv-decode", "h2o-decode", "adakv", "rocketkv", "quest"}
 
 
 def prompts() -> list[list[int]]:

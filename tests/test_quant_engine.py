@@ -134,6 +134,7 @@ def test_a_backend_that_cannot_read_the_format_fails_before_the_model_loads(monk
     assert all(set(QUANT_FORMATS.get(n).backends) == {"torch", "triton"} for n in ("int8", "int4", "int2"))
     monkeypatch.setattr(Int4, "backends", ("torch",))
     monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on CPU is accepted under its interpreter only
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on a CPU device: the interpreter (else refused first)
     with pytest.raises(ValueError, match=r"quant='int4': the triton kernel backend cannot read this cache format "
                                          r"\(it is read by: torch\); set kernel_backend='torch'"):
