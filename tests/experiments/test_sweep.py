@@ -43,7 +43,7 @@ def test_smoke_sweep_is_read_back_and_a_rerun_skips_it(tmp_path):
     assert combos == set(itertools.product([8, 16], ["paged", "contiguous"]))
     assert (runs["agreement/greedy_match"] == 1.0).all() and (runs["agreement/kl"] == 0.0).all()
     assert runs["workload/tokens_per_s"].gt(0).all() and runs["meta.git_commit"].notna().all()
-    assert (runs["engine.allocator_args.reserve"].dropna() == "max_model_len").all()  # defaults filled in
+    assert (runs["engine.allocator_args.reserve"].dropna() == "request").all()  # defaults filled in (issue 21 item 14: contiguous reserves the request by default)
     assert len(list(sweep.rglob("offline-run-*"))) == 4  # and each job has its W&B offline run
 
     assert summary_lines(first) == [f"sweep {sweep}: 4 jobs: 4 finished, 0 failed, 0 skipped"]
