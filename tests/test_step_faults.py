@@ -109,7 +109,8 @@ def compression_steps(policy: str, args: dict, params: SamplingParams, ps) -> li
     steps, calls = [], []
     compress = llm.engine.compressor.compress
     llm.engine.compressor.compress = lambda *a, **k: (calls.append(1), compress(*a, **k))[1]
-    ids = [llm.engine.add_request(p, params) for p in ps]
+    for p in ps:
+        llm.engine.add_request(p, params)
     n = 0
     while llm.engine.has_unfinished():
         n += 1
@@ -117,7 +118,6 @@ def compression_steps(policy: str, args: dict, params: SamplingParams, ps) -> li
         llm.engine.step()
         if len(calls) > before:
             steps.append(n)
-    assert ids
     return steps
 
 
