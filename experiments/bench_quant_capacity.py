@@ -3,8 +3,8 @@
 For each format (fp32, bf16, fp8_e4m3, int8, int4, int2 by default) and each of --prompt-len (1,024
 tokens: many sequences; 4,096: a few), one engine at --kv-cache-memory and --block-size receives prompts
 of that many random tokens at once (max_tokens --max-tokens, ignore_eos), one more than the budget
-could hold at the format's pool bytes per token (so the pool fills), and runs them to the end. Reported
-per run:
+could hold at the format's pool bytes per token (so the pool fills; steps of --max-num-batched-tokens
+admit them before the first ones finish), and runs them to the end. Reported per run:
   - the promise: fp32's bytes per token over the format's (pool bytes per token, scales and zero points
     included: int4 with group 32 promises 6.4x, int2 10.7x), times fp32's pool tokens;
   - the pool: pages x block size (token slots) and the residual area's own bytes (0 where residual rows
@@ -30,9 +30,6 @@ from pathlib import Path
 from bench_throughput import REPO, log, metadata, provenance, save, table
 
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2")
-# SmolLM2-135M's KV shapes with little compute around them (kvlab.models.RANDOM_SHAPES["llama-135m"] is the full model)
-KV_SMOLLM2 = dict(hidden_size=192, intermediate_size=64, num_hidden_layers=30, num_attention_heads=3,
-                  num_key_value_heads=3, head_dim=64, vocab_size=256, max_position_embeddings=8192)
 COLUMNS = [("format", "format"), ("prompt_len", "prompt tokens"), ("bytes_per_token", "pool B/token/layer"),
            ("pool_tokens", "pool token slots"), ("residual_mib", "residual area MiB"),
            ("promise", "promise (x fp32)"), ("held_peak", "tokens held (peak)"), ("held_x_fp32", "held x fp32"),
@@ -48,7 +45,8 @@ def run_one(args, loaded, name: str, prompt_len: int) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, loaded=copy.deepcopy(loaded), quant=name, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     engine, cache = llm.engine, llm.engine.cache
     layers, pages = len(cache.groups[0].layers), cache.null_page + 1
     row = {"format": name, "prompt_len": prompt_len,
@@ -81,9 +79,8 @@ def run_one(args, loaded, name: str, prompt_len: int) -> dict:
 
 def run(args) -> list[dict]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from kvlab.models import RANDOM_SHAPES, load_model
+    from kvlab.models import load_model
 
-    RANDOM_SHAPES.setdefault("kv-smollm2", KV_SMOLLM2)
     loaded = load_model(args.model, seed=args.seed)
     rows = []
     for prompt_len in args.prompt_len:
@@ -124,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS,
                    help="fp32 is always needed (the baseline)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per step: the pool fills at admission, before the first requests finish")
     p.add_argument("--prompt-len", nargs="+", type=int, default=[1024, 4096])
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)

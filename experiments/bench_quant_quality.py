@@ -8,7 +8,8 @@ prompt quantised), kvlab's own tasks run on the same engine settings:
   - kvlab.tasks.agreement.Agreement against the full-cache fp32 engine (greedy match, top-1 match,
     KL of next-token distributions), --num-prompts prompts of --prompt-length tokens.
 Also the pool's bytes per token (scales and zero points included) and the residual area's bytes.
---residual-bf16 adds int4 / int2 with their residual rows in bfloat16; --policy with --budgets adds
+--residual-bf16 adds int4 / int2 with their residual rows in bfloat16; --variant NAME:key=value,...
+adds a format with those arguments (e.g. fp8_e4m3:scaling=fixed); --policy with --budgets adds
 format x policy rows (agreement only: the policy compresses each prompt once, at the end of prefill, to
 each budget; the reference stays the full-cache fp32 engine). Hugging Face's QuantizedCache beside
 kvlab's int4 / int2: experiments/bench_quant_anchor.py.
@@ -16,12 +17,14 @@ kvlab's int4 / int2: experiments/bench_quant_anchor.py.
     python experiments/bench_quant_quality.py                        # SmolLM2-135M, ~10 minutes on 2 busy cores
     python experiments/bench_quant_quality.py --num-windows 2 --num-prompts 2 --out /tmp/q
     python experiments/bench_quant_quality.py --policy snapkv --budgets 64 128 --formats fp32 int8 int4 int2
+    python experiments/bench_quant_quality.py --formats fp32 fp8_e4m3 --variant fp8_e4m3:scaling=fixed
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -32,7 +35,7 @@ from bench_throughput import REPO, add_quality_args, log, metadata, provenance, 
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("int8", {}), ("int4", {}),
            ("int2", {})]
 COLUMNS = [("format", "format"), ("args", "args"), ("policy", "policy"), ("bytes_per_token", "pool B/token/layer"),
-           ("vs_bf16", "vs bf16"), ("residual_mib", "residual area MiB"), ("ppl", "perplexity"),
+           ("vs_bf16", "vs bf16"), ("leased_mib", "residual rows MiB (peak)"), ("ppl", "perplexity"),
            ("greedy_match", "greedy match"), ("top1_match", "top-1 match"), ("kl", "KL (nats)"),
            ("kl_max", "KL max"), ("seconds", "s")]
 
@@ -65,6 +68,7 @@ def run(args) -> list[dict]:
     formats = [(n, q, None) for n, q in chosen]
     formats += [(n, {"residual": 0}, None) for n in kivi] if args.residual_zero else []
     formats += [(n, {"residual_dtype": "bfloat16"}, None) for n in kivi] if args.residual_bf16 else []
+    formats += [(n, q, None) for n, q in args.variant]
     with_policy = [(n, q) for n, q in chosen if n in (args.policy_formats or args.formats)]
     formats += [(n, q, b) for b in (args.budgets if args.policy else []) for n, q in with_policy]
     rows = []
@@ -81,14 +85,24 @@ def run(args) -> list[dict]:
         rows.append({"format": name, "args": ",".join(f"{k}={v}" for k, v in qargs.items()) or "-",
                      "policy": "full" if budget is None else f"{args.policy} budget={budget}",
                      "bytes_per_token": per_token, "residual_mib": cache.residual_nbytes() / 2**20,
+                     "leased_mib": leased_mib(llm),
                      "ppl": p["perplexity/ppl"], "greedy_match": a["agreement/greedy_match"],
                      "top1_match": a["agreement/top1_match"], "kl": a["agreement/kl"],
                      "kl_max": a["agreement/kl_max"], "seconds": time.perf_counter() - t0})
         del llm
+        Path(f"{args.out}.partial.json").write_text(json.dumps(rows, indent=1))  # what a killed run leaves
     bf16 = next(r["bytes_per_token"] for r in rows if r["format"] == "fp32") / 2  # bf16: half of fp32 per element
     for r in rows:
         r["vs_bf16"] = r["bytes_per_token"] / bf16
     return rows
+
+
+def leased_mib(llm) -> float:
+    """The most bytes residual rows held at once (pool pages leased while a window is open)."""
+    area = llm.engine.cache.area
+    if area is None or area.lessor is None:
+        return llm.engine.cache.residual_nbytes() / 2**20
+    return area.leased_peak * area.k * llm.engine.bytes_per_block / 2**20
 
 
 def report(rows: list[dict], meta: dict, args) -> str:
@@ -100,7 +114,8 @@ def report(rows: list[dict], meta: dict, args) -> str:
         "Block size 32; KIVI formats "
         "with group_size 32 (and the residual given in args, default 32 tokens in full precision).",
         "Bytes per token are counted from the pool tensors (one layer, K and V, scales and zero points included); "
-        "the residual area (full precision, sized for max_num_seqs sequences) is paid from the budget first.",
+        "KIVI's full-precision residual rows are leased from the pool's pages while a window is open "
+        "(kvlab.quant.lease): the column gives the most they held at once.",
         "",
         table(rows, COLUMNS),
         "",
@@ -110,6 +125,21 @@ def report(rows: list[dict], meta: dict, args) -> str:
         "experiments/bench_quant_anchor.py.",
         "",
     ])
+
+
+def variant(spec: str) -> tuple[str, dict]:
+    """"fp8_e4m3:scaling=fixed,scale=1.0" -> ("fp8_e4m3", {"scaling": "fixed", "scale": 1.0})."""
+    name, _, items = spec.partition(":")
+    if name not in [n for n, _ in FORMATS]:
+        raise argparse.ArgumentTypeError(f"unknown format {name!r}; choose one of {', '.join(n for n, _ in FORMATS)}")
+    args = {}
+    for item in filter(None, items.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value  # a bare word: a string
+    return name, args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=32, help="int4 / int2 group size (KIVI's default 32)")
     p.add_argument("--residual-zero", action="store_true", help="also int4 / int2 with residual 0")
     p.add_argument("--residual-bf16", action="store_true", help="also int4 / int2 with the residual rows in bfloat16")
+    p.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME:KEY=VALUE,...",
+                   help="also this format with these arguments (values as JSON: scale=1.0, scaling=fixed)")
     p.add_argument("--policy", default=None, help="also every format x this policy at each of --budgets")
     p.add_argument("--budgets", nargs="+", type=int, default=[128, 256])
     p.add_argument("--policy-formats", nargs="+", default=None, choices=[n for n, _ in FORMATS],
@@ -140,6 +172,7 @@ def main(argv=None) -> None:
     rows = run(args)
     text = report(rows, meta, args)
     save(args.out, text, meta, rows)
+    Path(f"{args.out}.partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvlab.allocators.base import NULL_BLOCK, Allocator
 from kvlab.prefix_cache import Node, PrefixCache, request_salt
 from kvlab.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvlab.quant.lease import RowClaims
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class BlockManager:
         # called after a sequence's tables are freed (the cache gives back residual rows leased for its open pages)
         self.on_free: Callable[[], None] | None = None
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
+        # a packed format's residual rows leased from free pages (kvlab.quant.lease.RowClaims; None: no rows):
+        # the rows this step's writes will lease, claimed as the step is scheduled, stay free
+        self.rows: RowClaims | None = None
+        self._claimed_rows = 0
 
     # -- tables ----------------------------------------------------------------
     def key(self, seq: Sequence | int, group: int) -> int:
@@ -214,10 +221,28 @@ class BlockManager:
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
 
     # -- state machine ---------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step is being scheduled: no rows claimed yet."""
+        self._claimed_rows = 0
+
+    def _row_pages(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Pages the residual rows of writing `num_new_tokens` into `seq`'s tables will lease."""
+        a, rows = self.allocator, self.rows
+        return rows.pages_per_row * sum(rows.new_rows(a.block_table(k), a.num_tokens(k), num_new_tokens)
+                                        for k in self._keys(seq))
+
+    def _lease_requests(self, rows: int) -> list[tuple[int, int]]:
+        """`rows` leases as allocation requests (a lease is a table of pages_per_row full pages)."""
+        tokens = self.rows.pages_per_row * self.block_size
+        return [(tokens, tokens)] * rows
+
     def can_allocate(self, seq: Sequence) -> bool:
+        if self.rows is not None:  # its first chunk opens at most a window of pages per group
+            pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
-                [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))])
+                [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
+                + (self._lease_requests(pending) if self.rows is not None else []))
         hit, nodes = self._lookup(seq)
         a, need = self.allocator, 0
         for g, group in enumerate(self.groups):
@@ -225,11 +250,20 @@ class BlockManager:
             need += max(a.blocks_for(self._footprint(group, seq.num_tokens)) - len(cached), 0)
             need += sum(1 for p in cached if a.is_parked(p))  # taking a parked page back uses up a free one
             need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
+        if self.rows is not None:
+            need += pending * self.rows.pages_per_row
         return need <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Tables for `seq`: with prefix caching, the cached pages of its first
         `seq.num_computed_tokens` tokens (from `num_cached_tokens`), then `num_tokens` new slots."""
+        self._allocate(seq, num_tokens)
+        if self.rows is not None:  # the tables now hold the hit's pages: what the chunk opens is known
+            a = self.allocator
+            self._claimed_rows += sum(
+                self.rows.new_rows(a.block_table(k), seq.num_computed_tokens, num_tokens) for k in self._keys(seq))
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         if self.prefix_cache is None:
             for key in self._keys(seq):
                 self.allocator.allocate(key, num_tokens, seq.max_len)
@@ -257,9 +291,18 @@ class BlockManager:
         stats.hit_pages += saved
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.allocator.can_append_many([(key, num_new_tokens) for key in self._keys(seq)])
+        a, requests = self.allocator, [(key, num_new_tokens) for key in self._keys(seq)]
+        if not a.can_append_many(requests):
+            return False
+        if self.rows is None:
+            return True
+        pages = sum(a.blocks_to_append(key, n) for key, n in requests)
+        rows = self._claimed_rows * self.rows.pages_per_row + self._row_pages(seq, num_new_tokens)
+        return pages + rows <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        if self.rows is not None:
+            self._claimed_rows += self._row_pages(seq, num_new_tokens) // self.rows.pages_per_row
         for key in self._keys(seq):
             self.allocator.append_slots(key, num_new_tokens)
 

@@ -97,9 +97,13 @@ class KVCache:
     def _residual_area(self, num_blocks, block_size, heads, head_dim, device, rows, lessor) -> ResidualArea:
         dtype = self.quant.residual_storage_dtype(self.compute_dtype)
         k = pages_per_row(self.codecs, block_size, heads, head_dim, dtype)
-        if lessor is not None and k:
-            return ResidualArea(num_blocks + 1, num_blocks // k, device, k, lessor)
-        return ResidualArea(num_blocks + 1, num_blocks if rows is None else rows, device)
+        if lessor is None:
+            return ResidualArea(num_blocks + 1, num_blocks if rows is None else rows, device)
+        if not k:
+            raise ValueError(f"{type(self.quant).__name__.lower()}: a residual row ({block_size} tokens x {heads} "
+                             f"heads x {head_dim} in {dtype}) does not fill whole pages' codes, where rows are "
+                             f"leased from; use a larger block_size")
+        return ResidualArea(num_blocks + 1, num_blocks // k, device, k, lessor)
 
     @property
     def residual(self) -> int | None:

@@ -30,7 +30,7 @@ from kvlab.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
 from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from kvlab.prefix_cache import PrefixCache, PrefixStats
-from kvlab.quant.lease import lessor_for
+from kvlab.quant.lease import lessor_for, row_claims
 from kvlab.radix_cache import RadixCache
 from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sampler import SamplingError, request_generator, sample
@@ -170,6 +170,7 @@ class LLMEngine:
                              config.device, lessor=lessor_for(self.quant, self.block_manager.allocator,
                                                               config.block_size))
         self.block_manager.on_free = self.cache.release_unheld  # leased residual rows follow their pages
+        self.block_manager.rows = row_claims(self.cache.area, self.quant.residual or 0)
         if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
             self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
                                                 dtype, config.device)
@@ -391,6 +392,7 @@ class LLMEngine:
         fail again).
         """
         t0 = time.perf_counter()
+        self.cache.release_unheld()  # rows of pages sealed last step go back before this step is scheduled
         streams = self._stream_states(self.scheduler.running)  # drafts and samples draw from them this step
         if self.speculator:
             self.speculator.propose(self.scheduler.running, self._generators)
@@ -635,6 +637,8 @@ class LLMEngine:
             summary.update(self.compressor.stats())
             summary["policy_bytes_freed"] = summary["policy_pages_freed"] * self.bytes_per_block
         summary["cow_copies"] = self.block_manager.num_cow_copies
+        if self.cache.area is not None:  # pages sealed before their tokens left the residual window (0 in the engine)
+            summary["residual_early_seals"] = self.cache.area.early_seals
         pc = self.block_manager.prefix_cache
         if pc is not None:
             st = pc.stats

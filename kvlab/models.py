@@ -33,6 +33,10 @@ RANDOM_SHAPES: dict[str, dict] = {
     # SmolLM2-135M shape with random weights
     "llama-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192),
+    # SmolLM2-135M's KV shapes (30 layers, 3 KV heads of 64, 8,192 positions) around little compute: what
+    # the pool, the cache formats' groups and the reservations see, at a fraction of the cost
+    "kv-smollm2": dict(hidden_size=192, intermediate_size=64, num_hidden_layers=30, num_attention_heads=3,
+                       num_key_value_heads=3, head_dim=64, vocab_size=256, max_position_embeddings=8192),
     # tiny, for fast tests
     "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512),

@@ -64,6 +64,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """The step's batch; if scheduling raises, the sequences it had scheduled are put back (unschedule)."""
         batch = ScheduledBatch()
+        self.block_manager.begin_step()
         try:
             self._schedule(batch)
         except BaseException:

@@ -221,13 +221,13 @@ def test_unknown_plugin_parameter_fails_before_the_model_loads():
 def test_unknown_model_lists_the_packaged_names():
     with pytest.raises(ValueError, match=r"unknown model 'does-not-exist': not a packaged model "
                                          r"\(smollm2-135m, gemma3-270m\).*random:<shape> "
-                                         r"\(gemma3-tiny, llama-135m, llama-1b, llama-tiny\)"):
+                                         r"\(gemma3-tiny, kv-smollm2, llama-135m, llama-1b, llama-tiny\)"):
         LLM("does-not-exist")
 
 
 def test_unknown_random_shape_lists_the_shapes():
     with pytest.raises(ValueError, match=r"unknown random model shape 'llama-huge'; known: "
-                                         r"gemma3-tiny, llama-135m, llama-1b, llama-tiny"):
+                                         r"gemma3-tiny, kv-smollm2, llama-135m, llama-1b, llama-tiny"):
         LLM("random:llama-huge")
 
 

@@ -124,14 +124,14 @@ def test_stops_inside_an_accepted_run(draft, batch_size, block_size):
     stops, cut = [], []
     for out, r in zip(outs, ref):
         inside = [j for j in inside_runs(r[0], runs.get(out.request_id, [])) if r[j] not in r[:j]]
-        stops.append(r[inside[0]] if inside else 10**6)  # 10**6: never generated, no stop
+        stops.append(r[inside[0]] if inside else None)  # None: no stop token
         cut.append(inside[0] + 1 if inside else n)
     assert sum(c < n for c in cut) >= max(1, batch_size // 2), "too few runs to cut: the test would be vacuous"
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, stop_token_ids=(t,)) for t in stops]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, stop_token_ids=() if t is None else (t,)) for t in stops]
     got, _ = speculative(draft, args, batch, n, block_size, sampling=params)
     assert got == [r[:c] for r, c in zip(ref, cut)]
     # EOS: the stop token of the first request that has one, for every request (each cut at its first EOS)
-    eos = next(t for t, c in zip(stops, cut) if c < n)
+    eos = next(t for t, c in zip(stops, cut) if c < n)  # c < n: t is a token, not None
     llm = LLM(MODEL, block_size=block_size, kv_cache_memory="4MiB", draft=draft, draft_args=args)
     llm.engine.eos_token_ids = {eos}
     outs = llm.generate(batch, SamplingParams(max_tokens=n))

@@ -94,14 +94,17 @@ def check_run(loaded, reference, run: dict, continuation: bool = True) -> None:
             assert len(ours[head]) == len(theirs) == run["n_kept_per_layer"][layer], where
             if ours[head] == theirs:
                 continue
-            # only an exact tie at the boundary may be broken otherwise (README: knorm's layer 0, where repeated
-            # tokens have keys of one norm): kvpress's margin there is 0 and the swapped tokens score alike here
+            # only a tie at the boundary may be broken otherwise (README: knorm's layer 0, where repeated tokens
+            # have keys of one norm; attention scores a rounding apart): kvpress's margin there is within float32
+            # rounding of the scores, and so are the scores of the swapped tokens here
             mine, other = set(ours[head]) - set(theirs), set(theirs) - set(ours[head])
-            tie = {scores[head][i] for i in mine | other}
-            assert run["score_margin_per_layer"][layer] == 0 and len(tie) == 1, (
+            swapped = [scores[head][i] for i in mine | other]
+            tol = 1e-5 * max(abs(x) for x in swapped)  # float32 rounding of a sum, relative to the boundary's scores
+            margin = run["score_margin_per_layer"][layer]
+            assert margin <= tol and max(swapped) - min(swapped) <= tol, (
                 f"{where}: layer {layer} head {head} keeps {len(mine)} tokens the reference drops "
-                f"({sorted(mine)[:6]}...) instead of {sorted(other)[:6]}... (boundary margin "
-                f"{run['score_margin_per_layer'][layer]:.1e})")
+                f"({sorted(mine)[:6]}...) instead of {sorted(other)[:6]}... (their scores span "
+                f"{max(swapped) - min(swapped):.1e}, kvpress's boundary margin {margin:.1e})")
     assert out == run["continuation"][: len(out)], f"{where}: continuation differs"
 
 

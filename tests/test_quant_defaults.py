@@ -7,14 +7,10 @@ import pytest
 
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig
-from kvlab.models import RANDOM_SHAPES, load_model
+from kvlab.models import load_model
 from kvlab.registry import ALLOCATORS, QUANT_FORMATS
 
-# SmolLM2-135M's KV shapes (30 layers, 3 KV heads of 64, 8,192 positions: what the pool, the groups and the
-# reservations see) around a tiny hidden size and vocabulary, random weights
-RANDOM_SHAPES.setdefault("kv-smollm2", dict(hidden_size=192, intermediate_size=64, num_hidden_layers=30,
-                                            num_attention_heads=3, num_key_value_heads=3, head_dim=64,
-                                            vocab_size=256, max_position_embeddings=8192))
+# SmolLM2-135M's KV shapes (30 layers, 3 KV heads of 64, 8,192 positions) around random tiny compute
 SHAPES = "random:kv-smollm2"
 PROMPT = list(range(3, 40))
 

@@ -108,7 +108,9 @@ def mark_record_failed(job_dir: Path, error: str) -> None:
 
     record = job_dir / RECORD
     if record.exists() and not has_finish(record):
-        cut = not record.read_bytes().endswith(b"\n")  # a line the dead worker left half written
+        data = record.read_bytes()
+        if not data.endswith(b"\n"):  # a line the dead worker left half written: dropped, the record stays strict
+            record.write_bytes(data[: data.rfind(b"\n") + 1])
         with open(record, "a") as f:
-            f.write(("\n" if cut else "") + json.dumps({"event": "finish", "time": time.time(), "status": "failed", "summary": {},
+            f.write(json.dumps({"event": "finish", "time": time.time(), "status": "failed", "summary": {},
                                 "error": error}) + "\n")

@@ -13,9 +13,10 @@ Page parts (per page; the pool adds the page dimension):
     v.data  [bs, Hkv, D * bits / 8] uint8     v.scale, v.zero  [bs, Hkv, D / G_v] float16
 
 Residual window: the newest `residual` tokens of each sequence stay in full precision (the
-compute dtype, or `residual_dtype`) in the cache's residual area, a page at a time: a page is quantised once all
-its tokens are older than the window (a partly filled page always stays full precision:
-"until a group fills"). kvlab.quant.page_store describes the area and its bytes.
+compute dtype, or `residual_dtype`) in residual rows, a page at a time: a page is quantised once
+all its tokens are older than the window (a partly filled page always stays full precision:
+"until a group fills"). In the engine a row lives in the codes of free pool pages leased while
+its page is open (kvlab.quant.lease; kvlab.quant.page_store describes the rows).
 """
 
 from __future__ import annotations

@@ -18,17 +18,20 @@ def test_formats_residual_variants_and_policy_rows(tmp_path):
     main(["--model", "random:llama-tiny", "--formats", "fp32", "int8", "int4", "--group-size", "8",
           "--num-windows", "1", "--context", "32", "--continuation", "8", "--num-prompts", "1",
           "--prompt-length", "48", "--max-new-tokens", "4", "--kv-cache-memory", "2MiB", "--max-num-seqs", "2",
-          "--residual-bf16", "--policy", "snapkv", "--budgets", "16", "--out", str(out)])
+          "--residual-bf16", "--variant", "fp8_e4m3:scaling=fixed,scale=0.5", "--policy", "snapkv", "--budgets", "16",
+          "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["format"], r["args"], r["policy"]) for r in rows] == [
         ("fp32", "-", "full"), ("int8", "-", "full"), ("int4", "group_size=8", "full"),
-        ("int4", "group_size=8,residual_dtype=bfloat16", "full"),
+        ("int4", "group_size=8,residual_dtype=bfloat16", "full"), ("fp8_e4m3", "scaling=fixed,scale=0.5", "full"),
         ("fp32", "-", "snapkv budget=16"), ("int8", "-", "snapkv budget=16"), ("int4", "group_size=8", "snapkv budget=16")]
-    fp32, int8, int4, int4_bf16 = rows[:4]
+    fp32, int8, int4, int4_bf16, fp8_fixed = rows[:5]
     assert fp32["vs_bf16"] == 2.0 and int8["bytes_per_token"] < fp32["bytes_per_token"] / 3
     assert fp32["kl"] == 0.0 and fp32["greedy_match"] == 1.0  # the fp32 full cache is its own reference
     # residual rows are leased from the pool's pages (issue 21 item 15): no area of their own is counted apart
     assert int4_bf16["residual_mib"] == 0.0 and int4["residual_mib"] == 0.0
-    assert all(r["ppl"] is None for r in rows[4:]) and all(r["ppl"] > 1 for r in rows[:4])
-    assert rows[4]["kl"] > 0  # snapkv at 16 of 48 tokens changes the next-token distributions
+    assert 0 < int4_bf16["leased_mib"] < int4["leased_mib"]  # bf16 rows lease half the pages
+    assert fp8_fixed["bytes_per_token"] == fp32["bytes_per_token"] / 4 and fp8_fixed["leased_mib"] == 0.0
+    assert all(r["ppl"] is None for r in rows[5:]) and all(r["ppl"] > 1 for r in rows[:5])
+    assert rows[5]["kl"] > 0  # snapkv at 16 of 48 tokens changes the next-token distributions
     assert "| snapkv budget=16 |" in out.with_suffix(".md").read_text()

@@ -36,4 +36,4 @@ def test_installed_package_ships_its_configs(tmp_path):
     out = subprocess.run(kvlab_cmd("--cfg", "job", "engine=contiguous"), cwd=elsewhere, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "name: smollm2-135m" in out.stdout and "reserve: max_model_len" in out.stdout
+    assert "name: smollm2-135m" in out.stdout and "reserve: request" in out.stdout

@@ -32,7 +32,7 @@ def test_anchor_runs_both_systems_and_the_integer_formats_hold_fewer_bytes(tmp_p
 
     out = tmp_path / "anchor"
     main(["--model", "random:llama-tiny", "--group-size", "8", "--residual", "8", "--num-windows", "1",
-          "--num-prompts", "1", "--context", "48", "--continuation", "8", "--prompt-length", "48",
+          "--num-prompts", "1", "--context", "48", "--continuation", "8", "--prompt-length", "200",
           "--max-new-tokens", "4", "--out", str(out)])
     import json
 
@@ -41,8 +41,13 @@ def test_anchor_runs_both_systems_and_the_integer_formats_hold_fewer_bytes(tmp_p
     for system in ({r["system"] for r in rows}):
         fp32, int4, int2 = (r for r in rows if r["system"] == system)
         assert fp32["kl"] == 0.0 and fp32["greedy_match"] == 1.0  # each system against its own fp32 cache
-        assert int2["bytes_per_token"] < int4["bytes_per_token"] < fp32["bytes_per_token"]
+        assert max(int2["bytes_per_token"], int4["bytes_per_token"]) < 0.75 * fp32["bytes_per_token"], system
         assert all(r["ppl"] > 1 for r in (fp32, int4, int2))
+    # Hugging Face keeps at most `residual` tokens unquantised; kvlab's open pages lease whole pages' codes for
+    # their full-precision rows (16 int2 pages a row at these tiny heads, 8 int4), so int2 beats int4 there only
+    # once the sealed pages outweigh the rows: at this length, Hugging Face's int2 is the smaller
+    hf = {r["format"]: r["bytes_per_token"] for r in rows if r["system"] != "kvlab"}
+    assert hf["int2"] < hf["int4"]
 
 
 def test_a_format_hugging_face_refuses_is_reported_not_fatal(tmp_path):
