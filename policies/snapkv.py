@@ -43,6 +43,8 @@ def snap_scores(queries: torch.Tensor, keys: torch.Tensor, kernel_size: int) -> 
     """[L, Hkv]: the window's mean attention over the keys before the window, pooled with a centred
     average of `kernel_size` (zero padding counted, as kvpress does); the window's own keys score above
     every vote (more recent higher, for a budget smaller than the window: kvpress refuses that case)."""
+    if queries.shape[0] > keys.shape[0]:  # fewer tokens cached than the window (a budget below it): their queries
+        queries = queries[-keys.shape[0]:]
     W, L = queries.shape[0], keys.shape[0]
     probs = window_attention(queries, keys)  # [Hkv, g, W, L]: softmax over every key, window included
     votes = probs[..., : L - W].mean(dim=(1, 2))  # [Hkv, L - W]

@@ -421,3 +421,18 @@ def test_quest_reads_the_sink_page_and_bounds():
             assert u[h // 2, h % 2, p] >= best - 1e-5
     mass = policy.page_scores(0, q, bounds, torch.full((1, 3), 4), 1.0)
     assert mass[0, 0] == math.inf and torch.isfinite(mass[0, 1:]).all()
+
+
+def test_snapkv_with_a_budget_below_its_window_compresses_while_decoding():
+    """A budget below the observation window: after the first compression fewer tokens are cached than the
+    window has queries; the next scoring votes with the queries of the tokens still cached (it raised
+    "keep must be sorted" before), and every compression keeps the budget."""
+    from kvlab import LLM, SamplingParams
+
+    llm = LLM("random:llama-tiny", policy="snapkv",
+              policy_args={"budget": 8, "window_size": 16, "when": "decode", "every": 4})
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert len(out.token_ids) == 24
+    stats = llm.engine.stats()
+    assert stats["policy_compressions"] >= 5, stats
