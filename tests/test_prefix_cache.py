@@ -471,3 +471,19 @@ def test_radix_pages_of_a_failed_step_are_not_kept():
     shadow.bm.free(seq)
     shadow.live.remove(seq)
     assert not any(len(node.tokens) < 4 for node, _ in shadow.bm.prefix_cache.page_node.values())
+
+
+@pytest.mark.parametrize("length", [9, 24, 27])
+def test_a_repeated_prompt_hits_every_full_page_before_its_last_token(length):
+    """Nothing evicted: the second of two identical prompts reuses every full page of its first length - 1
+    tokens (the last token is computed for its logits). A match one block short loses sharing without a
+    wrong answer, so only a count can catch it."""
+    from kvlab import LLM, SamplingParams
+
+    llm = LLM("random:llama-tiny", block_size=4, kv_cache_memory="1MiB", enable_prefix_caching=True)
+    prompt = list(range(3, 3 + length))
+    first = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    llm.reset_stats()
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    assert again == first
+    assert llm.engine.stats()["prefix_hit_tokens"] == (length - 1) // 4 * 4
