@@ -14,8 +14,9 @@ setup:
 run: setup  ## the default experiment: SmolLM2-135M, quality + throughput
 	$(PY) -m kvlab $(ARGS)
 
-test: setup  ## the test suite (under ~15 minutes on 2 CPU cores)
-	$(PY) -m pytest -q $(ARGS)
+TEST_WORKERS ?= 2
+test: setup  ## the test suite (under ~15 minutes on 2 CPU cores; a worker per core, a test file per worker)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-heavy: setup  ## the slow cases (full benchmark smoke runs, large sweeps)
 	$(PY) -m pytest -q -m heavy $(ARGS)

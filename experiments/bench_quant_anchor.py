@@ -23,6 +23,7 @@ prompt's last partial group in full precision.
     python experiments/bench_quant_anchor.py --model smollm2-135m
     python experiments/bench_quant_anchor.py --model gemma3-270m --out experiments/results/quant_anchor_gemma3
     python experiments/bench_quant_anchor.py --model random:llama-tiny --num-windows 1 --num-prompts 1 --out /tmp/a
+    python experiments/bench_quant_anchor.py --bytes-only --out experiments/results/quant_anchor_smollm2_bytes
 """
 
 from __future__ import annotations
@@ -183,22 +184,22 @@ def run(args) -> list[dict]:
             t0 = time.perf_counter()
             lm = build_reference() if fmt == "fp32" else make(fmt)
             try:
-                p = ppl.run(lm, ctx).metrics
+                p = {} if args.bytes_only else ppl.run(lm, ctx).metrics
             except ValueError as e:  # transformers refuses QuantizedCache on a model with sliding-window layers
                 if system != "hf":
                     raise
                 refused.append(f"Hugging Face QuantizedCache {fmt} on {args.model}: {e}")
                 continue
-            a = agree.run(lm, ctx).metrics
+            a = {} if args.bytes_only else agree.run(lm, ctx).metrics
             prompt = evenly_spaced_windows(corpus_tokens(agree.source, ctx.data_dir, get_tokenizer(lm)),
                                            args.prompt_length, 1)[0]
             held = (lm.held_bytes(prompt, args.max_new_tokens) if system == "hf"
                     else kvlab_held_bytes(lm, prompt, args.max_new_tokens))
             done.append({"system": "Hugging Face QuantizedCache (quanto)" if system == "hf" else "kvlab",
                          "format": fmt if system == "kvlab" or fmt != "fp32" else "fp32 (DynamicCache)",
-                         "bytes_per_token": held / held_len / num_layers, "ppl": p["perplexity/ppl"],
-                         "greedy_match": a["agreement/greedy_match"], "top1_match": a["agreement/top1_match"],
-                         "kl": a["agreement/kl"], "kl_max": a["agreement/kl_max"],
+                         "bytes_per_token": held / held_len / num_layers, "ppl": p.get("perplexity/ppl"),
+                         "greedy_match": a.get("agreement/greedy_match"), "top1_match": a.get("agreement/top1_match"),
+                         "kl": a.get("agreement/kl"), "kl_max": a.get("agreement/kl_max"),
                          "seconds": time.perf_counter() - t0})
         for r in done:
             r["vs_fp32"] = r["bytes_per_token"] / done[0]["bytes_per_token"]
@@ -233,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bytes-only", action="store_true",
+                   help="only the KV bytes one sequence holds (no perplexity or agreement: minutes, not an hour)")
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "quant_anchor_smollm2"))
     args = p.parse_args(argv)
     if args.formats[0] != "fp32":
