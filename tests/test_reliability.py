@@ -271,7 +271,8 @@ def test_float_token_ids_are_rejected_not_truncated(big, bad):
 
 @pytest.mark.parametrize("bad, message", [("now", "arrival_time must be a number"),
                                           (float("nan"), "arrival_time must be a number"),
-                                          (time.time(), "the engine's clock is time.perf_counter\\(\\)")])
+                                          (time.time(), "the engine's clock is time.perf_counter\\(\\)")],
+                         ids=["a string", "nan", "a time.time reading"])  # a stable id: xdist workers collect alike
 def test_arrival_time_must_be_a_perf_counter_reading(big, bad, message):
     with pytest.raises(ValueError, match=message):
         big.engine.add_request([1, 2], SamplingParams(max_tokens=2), arrival_time=bad)
