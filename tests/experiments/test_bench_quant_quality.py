@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import sys
 
-from exp_helpers import REPO
+from exp_helpers import REPO, needs_data
 
 sys.path.insert(0, str(REPO / "experiments"))
 
 
+@needs_data("wikitext-2-raw")
 def test_formats_residual_variants_and_policy_rows(tmp_path):
     from bench_quant_quality import main
 

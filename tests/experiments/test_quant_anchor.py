@@ -50,6 +50,7 @@ def test_anchor_runs_both_systems_and_the_integer_formats_hold_fewer_bytes(tmp_p
     assert hf["int2"] < hf["int4"]
 
 
+@needs_data("wikitext-2-raw")
 def test_a_format_hugging_face_refuses_is_reported_not_fatal(tmp_path):
     """transformers' QuantizedCache refuses models with sliding-window layers (Gemma 3): the anchor keeps
     the fp32 row, lists the refusal with transformers' error, and still runs kvlab's formats."""
