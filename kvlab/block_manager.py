@@ -225,11 +225,12 @@ class BlockManager:
         """A new step is being scheduled: no rows claimed yet."""
         self._claimed_rows = 0
 
-    def _row_pages(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Pages the residual rows of writing `num_new_tokens` into `seq`'s tables will lease."""
-        a, rows = self.allocator, self.rows
-        return rows.pages_per_row * sum(rows.new_rows(a.block_table(k), a.num_tokens(k), num_new_tokens)
-                                        for k in self._keys(seq))
+    def _new_rows(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> int:
+        """Residual rows that writing `num_new_tokens` into `seq`'s tables (after cache index `start`, default
+        each table's length) will lease."""
+        a = self.allocator
+        return sum(self.rows.new_rows(a.block_table(k), a.num_tokens(k) if start is None else start, num_new_tokens)
+                   for k in self._keys(seq))
 
     def _lease_requests(self, rows: int) -> list[tuple[int, int]]:
         """`rows` leases as allocation requests (a lease is a table of pages_per_row full pages)."""
@@ -259,9 +260,7 @@ class BlockManager:
         `seq.num_computed_tokens` tokens (from `num_cached_tokens`), then `num_tokens` new slots."""
         self._allocate(seq, num_tokens)
         if self.rows is not None:  # the tables now hold the hit's pages: what the chunk opens is known
-            a = self.allocator
-            self._claimed_rows += sum(
-                self.rows.new_rows(a.block_table(k), seq.num_computed_tokens, num_tokens) for k in self._keys(seq))
+            self._claimed_rows += self._new_rows(seq, num_tokens, start=seq.num_computed_tokens)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> None:
         if self.prefix_cache is None:
@@ -297,12 +296,12 @@ class BlockManager:
         if self.rows is None:
             return True
         pages = sum(a.blocks_to_append(key, n) for key, n in requests)
-        rows = self._claimed_rows * self.rows.pages_per_row + self._row_pages(seq, num_new_tokens)
+        rows = (self._claimed_rows + self._new_rows(seq, num_new_tokens)) * self.rows.pages_per_row
         return pages + rows <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         if self.rows is not None:
-            self._claimed_rows += self._row_pages(seq, num_new_tokens) // self.rows.pages_per_row
+            self._claimed_rows += self._new_rows(seq, num_new_tokens)
         for key in self._keys(seq):
             self.allocator.append_slots(key, num_new_tokens)
 
