@@ -16,7 +16,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvlab.lm_eval.parity import compare, evaluate_both
+from statistics import median
+
+from kvlab.lm_eval.parity import compare, hf_model, kvlab_model, run_tasks
 
 DEFAULT_LIMITS = ["kvlab_lambada_wikitext=40", "kvlab_lambada_wikitext_gen=20", "kvlab_wikitext2=2", "kvlab_niah=6"]
 
@@ -39,8 +41,14 @@ def table(comparisons, kv, hf) -> list[str]:
             first = i == 0
             lines.append(f"| {c.task if first else ''} | {c.samples if first else ''} | {metric} | {a:.6g} | {b:.6g} "
                          f"| {delta if first else ''} | {'' if not first or mismatches is None else mismatches} |")
-    lines += ["", "| backend | wall time (s) |", "|---|---|", f"| kvlab | {kv.wall_s:.1f} |", f"| hf | {hf.wall_s:.1f} |"]
     return lines
+
+
+def wall_table(walls: dict[str, list[float]]) -> list[str]:
+    """Median wall time of each backend over the repeats (kvlab and hf alternating), each repeat's, and the ratio."""
+    lines = ["| backend | median wall time (s) | repeats (s) |", "|---|---|---|"]
+    lines += [f"| {b} | {median(w):.1f} | {', '.join(f'{x:.1f}' for x in w)} |" for b, w in walls.items()]
+    return lines + ["", f"hf / kvlab median wall time: {median(walls['hf']) / median(walls['kvlab']):.2f}x"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,24 +58,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=1025, help="kvlab's; hf's max_length is one less")
     parser.add_argument("--kv-batch-size", type=int, default=64, help="requests per LLM.score / generate call")
     parser.add_argument("--hf-batch-size", type=int, default=1, help="lm-eval hf backend's batch_size")
+    parser.add_argument("--repeats", type=int, default=1, help="evaluations per backend, alternating (medians reported)")
+    parser.add_argument("--tag", default="", help="appended to the output files' name (e.g. _speed)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     limits = parse_limits(args.limit)
-    kv, hf = evaluate_both(args.model, list(limits), limits, max_model_len=args.max_model_len,
-                           kv_batch_size=args.kv_batch_size, hf_batch_size=args.hf_batch_size)
+    kv_model = kvlab_model(args.model, args.max_model_len, args.kv_batch_size)  # both built before any clock starts
+    hf_lm = hf_model(args.model, kv_model.max_length, args.hf_batch_size)
+    walls: dict[str, list[float]] = {"kvlab": [], "hf": []}
+    for r in range(args.repeats):  # kvlab then hf, repeated: both see the same drift of a noisy machine
+        kv_r = run_tasks(kv_model, "kvlab", list(limits), limits, {"pretrained": args.model})
+        hf_r = run_tasks(hf_lm, "hf", list(limits), limits, {"pretrained": args.model})
+        if r == 0:
+            kv, hf = kv_r, hf_r
+            kv.extra["stats"] = kv_model.llm.stats()
+        walls["kvlab"].append(kv_r.wall_s)
+        walls["hf"].append(hf_r.wall_s)
     comparisons = compare(kv, hf)
     command = " ".join([".venv/bin/python", "experiments/bench_lm_eval.py", *map(shlex.quote, sys.argv[1:])])
     lines = [f"# lm-eval through kvlab and hf: {args.model}", "", f"Command: `{command}`", "",
              f"fp32 weights, full cache; max_length {args.max_model_len - 1} for both; kvlab batch_size "
              f"{args.kv_batch_size}, hf batch_size {args.hf_batch_size}; both evaluations in one process, kvlab "
              "first; wall time of `lm_eval.simple_evaluate` (model loading excluded).", "",
-             *table(comparisons, kv, hf), ""]
+             *table(comparisons, kv, hf), "", *wall_table(walls), ""]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"lm_eval_backends_{args.model}"
+    stem = args.out / f"lm_eval_backends_{args.model}{args.tag}"
     stem.with_suffix(".md").write_text("\n".join(lines))
     stem.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "limits": limits, "wall_s": {"kvlab": kv.wall_s, "hf": hf.wall_s},
+        {"command": command, "limits": limits, "wall_s": walls,
          "kvlab_stats": {k: v for k, v in kv.extra.get("stats", {}).items() if isinstance(v, (int, float))},
          "tasks": [asdict(c) for c in comparisons]}, indent=1, default=str))
 

@@ -24,11 +24,14 @@ KV held, three ways (`LLMEngine.stats()`):
   fewer bytes than a full cache's. Page counts compare only configurations with one grouping.
 - `kv_bytes_peak` / `kv_bytes_mean`: the pages in use times what one page costs (K and V of the layers
   and heads it holds, in the cache format, scales and zero points included): comparable across
-  groupings. Not counted: the residual area of formats with a full-precision window (a fixed reservation).
+  groupings. KIVI's full-precision residual rows live in leased pool pages (kvlab.quant.lease), so they
+  are counted as pages in use; a stand-alone cache's own residual area (no lessor) is not.
 - `kv_tokens_peak` / `kv_tokens_mean`: the token slots those pages hold, per layer and KV head of the
   model, summed over sequences (`tokens_per_page`: a page of one layer of a 30-layer model counts
   block_size / 30): what a full cache of every layer would need to hold as much. Comparable across
-  groupings and formats; slots held but not yet written (the tail of a table's last page) count.
+  groupings and formats; slots held but not yet written (the tail of a table's last page) count, and so
+  do the pages KIVI's residual rows lease (their bytes hold rows, not tokens: a format's tokens held are
+  better read from its sequences, as experiments/bench_quant_capacity.py does).
 
 Throughput is per second of engine work (`busy_s`: time spent inside
 `step()`), so idle time between calls does not dilute it; `elapsed_s` is the
