@@ -38,3 +38,16 @@ def load_reference():
 def fresh_model(load_reference):
     """fresh_model(name) -> a private copy the engine may re-wire."""
     return lambda name: copy.deepcopy(load_reference(name))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (a file asks with `pytestmark = pytest.mark.usefixtures("one_thread")`):
+    on a shared 2-core machine two threads thrash (tiny models cost ~20x less CPU in one thread, SmolLM2
+    decodes 4-6x faster)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

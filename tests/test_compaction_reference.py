@@ -18,13 +18,7 @@ from kvlab import LLM, SamplingParams
 PROMPT_LENGTHS = (100, 77)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def prompts(seed: int = 0) -> list[list[int]]:

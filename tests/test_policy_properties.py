@@ -23,13 +23,7 @@ from kvlab.registry import POLICIES
 L, HKV, HQ, D = 40, 2, 4, 8  # a tiny layer: 40 cached tokens, 2 KV heads (2 query heads each), head_dim 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def inputs(n: int = L, seed: int = 0, hkv: int = HKV, hq: int = HQ, w: int | None = None):

@@ -36,13 +36,7 @@ BOUNDS = {
 FORMATS = {"bf16": {}, "fp16": {}, "fp8_e4m3": {}, "fp8_e5m2": {}, **PACKED}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: these tiny models cost ~20x less CPU in one thread than in two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def sharpened(name: str):

@@ -12,9 +12,8 @@ every allocator plugin supports it (one that would reserve more than `k` pages f
 A lease never fails in the engine: the block manager counts the rows each scheduled write will
 lease (RowClaims) and admits, grows or preempts so that their pages stay free, as it does for the
 sequences' own pages. A page is therefore open exactly while its tokens are in the window, whatever
-else runs. (Outside the engine, with `keep_free` pages per live table held back, a page that gets no
-row is sealed early and counted in the area's `early_seals`; the engine's stats report that count,
-which stays 0.) Bookkeeping only: no torch.
+else runs. (A write outside the claims that finds no free pages seals its page early, counted in the
+area's `early_seals`; the engine's stats report that count, which stays 0.) Bookkeeping only: no torch.
 """
 
 from __future__ import annotations
@@ -28,19 +27,17 @@ if TYPE_CHECKING:
 class PageLessor:
     """Leases of free pages for residual rows, through one allocator."""
 
-    def __init__(self, allocator: Allocator, block_size: int, keep_free: int):
+    def __init__(self, allocator: Allocator, block_size: int):
         self.allocator = allocator
         self.block_size = block_size
-        self.keep_free = keep_free  # free pages kept per live sequence table (for its growth)
         self.keys: set[int] = set()
         self._next = 0
 
     def lease(self, n: int) -> tuple[int, list[int]] | None:
-        """(key, n free pages) out of the free list, or None when they cannot be spared."""
+        """(key, n free pages) out of the free list, or None when there are none (or the allocator would
+        reserve more than n pages for them)."""
         a, tokens = self.allocator, n * self.block_size
-        live = len(a.tables) - len(self.keys)  # sequence tables
-        if a.num_free_blocks - n < self.keep_free * live or a.reservation(tokens, tokens) > tokens \
-                or not a.can_allocate(tokens, tokens):
+        if a.reservation(tokens, tokens) > tokens or not a.can_allocate(tokens, tokens):
             return None
         self._next += 1
         key = -self._next
@@ -94,7 +91,7 @@ def lessor_for(quant, allocator: Allocator, block_size: int) -> PageLessor | Non
     claimed when a step is scheduled (RowClaims), so the lessor keeps no pages back of its own."""
     if not quant.packed or quant.residual is None:
         return None
-    return PageLessor(allocator, block_size, keep_free=0)
+    return PageLessor(allocator, block_size)
 
 
 def row_claims(area, residual: int) -> RowClaims | None:
