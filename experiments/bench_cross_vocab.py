@@ -5,7 +5,7 @@ al. 2025, arXiv:2502.05202) with SmolLM2-135M as the draft model (another tokeni
 anchor, Hugging Face assisted generation with `assistant_model` + `assistant_tokenizer` (greedy:
 its string-level re-tokenisation path, i.e. SLEM) against plain Hugging Face `generate`, batch 1
 only (what it supports). `slrs` is not run: it refuses this pair (its exact sum is exponential in
-the draft length; see kvlab/drafts/slrs.py).
+the draft length; see kvlab/speculation/drafts/slrs.py).
 
 Two tasks as in experiments/bench_speculation.py: `edit` (copy a passage with its spelling
 corrected: repetition-heavy) and `free` (a short story). Greedy, EOS ignored; kvlab at batch 1
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     import torch
 
     from kvlab import LLM
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
 
     torch.set_num_threads(args.threads)

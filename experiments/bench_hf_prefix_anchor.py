@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 from bench_throughput import Run, hf_generate_batch, kvlab_generate  # noqa: E402
 
-from kvlab.loggers.local import write_report  # noqa: E402
-from kvlab.workloads.replay import Request  # noqa: E402
+from kvlab.study.loggers.local import write_report  # noqa: E402
+from kvlab.study.workloads.replay import Request  # noqa: E402
 
 SYSTEMS = ("hf-cb", "hf-cb-sharing", "kvlab", "kvlab-hash", "kvlab-radix")
 
@@ -34,7 +34,7 @@ SYSTEMS = ("hf-cb", "hf-cb-sharing", "kvlab", "kvlab-hash", "kvlab-radix")
 def make_requests(tokenizer, args) -> list[Request]:
     import random
 
-    from kvlab.tasks.data import corpus_tokens, resolve_data_dir
+    from kvlab.study.tasks.data import corpus_tokens, resolve_data_dir
 
     corpus = corpus_tokens("wikitext-2-raw/wiki.test.raw", resolve_data_dir(args.data_dir), tokenizer)
     rng = random.Random(args.seed)
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    from kvlab.tasks.data import ByteTokenizer
+    from kvlab.study.tasks.data import ByteTokenizer
 
     requests = make_requests(loaded.tokenizer or ByteTokenizer(loaded.model.config.vocab_size), args)
     results: dict[str, list[Run]] = {s: [] for s in args.systems}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from statistics import median
 
-from kvlab.lm_eval.parity import compare, hf_model, kvlab_model, run_tasks
+from kvlab.study.lm_eval.parity import compare, hf_model, kvlab_model, run_tasks
 
 DEFAULT_LIMITS = ["kvlab_lambada_wikitext=40", "kvlab_lambada_wikitext_gen=20", "kvlab_wikitext2=2", "kvlab_niah=6"]
 

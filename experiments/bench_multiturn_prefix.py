@@ -1,11 +1,11 @@
 """Multi-turn conversations: prefix caching off, hashed full pages, and the radix tree, on a real model.
 
-Workload (kvlab.workloads.synthetic.MultiTurn's shape): --conversations conversations side by side, each
+Workload (kvlab.study.workloads.synthetic.MultiTurn's shape): --conversations conversations side by side, each
 of --turns turns; a turn's prompt is the whole conversation so far (earlier prompts and answers) plus a
 new --user-len-token WikiText-2 user message, and it arrives as soon as the previous answer is done;
 --max-tokens new tokens per turn, greedy, EOS ignored. The hashed cache reuses the full pages of the
 history; the radix tree also keeps a finished turn's partly filled last page, so the next turn reuses
-every cached token (`kvlab/radix_cache.py`).
+every cached token (`kvlab/cache/radix_cache.py`).
 
 One process, one model load; the variants alternate for --repeats rounds, each on a fresh engine (no hit
 survives from an earlier round); tables show medians. Greedy outputs must not depend on the variant.
@@ -49,7 +49,7 @@ COLUMNS = [("variant", "prefix cache"), ("prefix_hit_rate_tokens", "hit rate (to
 
 def measure(loaded, tokens: list[int], variant: str, args) -> dict:
     from kvlab import LLM
-    from kvlab.workloads.replay import Request, replay
+    from kvlab.study.workloads.replay import Request, replay
 
     llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=args.block_size, kv_cache_memory=args.kv_memory,
               max_num_batched_tokens=args.max_num_batched_tokens, quant=args.quant, quant_args=args.quant_args,
@@ -85,8 +85,8 @@ def main(argv=None) -> dict:
     import torch
 
     from kvlab.models import load_model
-    from kvlab.tasks.data import ByteTokenizer, corpus_tokens
-    from kvlab.workloads.azure import DEFAULT_CORPUS
+    from kvlab.study.tasks.data import ByteTokenizer, corpus_tokens
+    from kvlab.study.workloads.azure import DEFAULT_CORPUS
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,7 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quant", default="auto", help="cache format of every variant (kvlab.quant), e.g. int4")
+    p.add_argument("--quant", default="auto", help="cache format of every variant (kvlab.cache.quant), e.g. int4")
     p.add_argument("--quant-args", type=json.loads, default={}, help='the format\'s arguments as JSON, e.g. \'{"residual": 32}\'')
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "multiturn_prefix_smollm2"))
     return p.parse_args(argv)

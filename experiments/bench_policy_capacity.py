@@ -61,7 +61,7 @@ def measure(model: str, loaded, policy: str, policy_args: dict, engine_args: dic
 def replay(model: str, loaded, policy: str, policy_args: dict, engine_args: dict, prompts, args) -> dict:
     """A run's concurrency without the model (see --replay): the engine's pieces, driven in its step order."""
     from kvlab import LLM, SamplingParams
-    from kvlab.attention import plan_step
+    from kvlab.engine.attention import plan_step
 
     engine = LLM(model, loaded=loaded, policy=policy, policy_args=policy_args, kv_cache_memory=args.kv_memory,
                  block_size=args.block_size, max_model_len=args.max_model_len,
@@ -135,9 +135,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
-    from kvlab.tasks.data import get_tokenizer
+    from kvlab.study.tasks.data import get_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     loaded = load_model(args.model)
     vocab = loaded.model.config.vocab_size
     if args.trace:
-        from kvlab.workloads.azure import load_azure_trace
+        from kvlab.study.workloads.azure import load_azure_trace
 
         requests = load_azure_trace(args.trace, args.num_requests, get_tokenizer(loaded), max_context=args.max_len,
                                     max_output=args.max_tokens, seed=args.seed)
@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
 
 
 def replay_all(args, meta: dict, loaded, prompts) -> dict:
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
 
     rows = [{"policy": name, **replay(args.model, loaded, policy, policy_args, engine_args, prompts, args)}
             for name, policy, policy_args, engine_args in variants(args)]
@@ -251,7 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cache formats: every row once per format (row names say which; the first row, full in "
                         "the first format, is the x-full baseline); none: the engine's default format")
     p.add_argument("--group-size", type=int, default=32, help="int4 / int2 group size (divides --block-size)")
-    p.add_argument("--residual-dtype", default="compute", help="int4 / int2 residual rows' dtype (kvlab.quant.kivi)")
+    p.add_argument("--residual-dtype", default="compute", help="int4 / int2 residual rows' dtype (kvlab.cache.quant.kivi)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="engine.max_num_seqs (0: the engine's default; it "
                    "also sizes the int4 / int2 residual area)")
     p.add_argument("--replay", action="store_true",

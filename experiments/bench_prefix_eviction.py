@@ -24,10 +24,10 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from kvlab.allocators import PagedAllocator
-from kvlab.block_manager import BlockManager, LayerGroup
-from kvlab.prefix_cache import PrefixCache
-from kvlab.radix_cache import RadixCache
+from kvlab.cache.allocators import PagedAllocator
+from kvlab.cache.block_manager import BlockManager, LayerGroup
+from kvlab.cache.prefix_cache import PrefixCache
+from kvlab.cache.radix_cache import RadixCache
 from kvlab.registry import PREFIX_EVICTIONS
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence

@@ -36,8 +36,8 @@ COLUMNS = [("variant", "prefix caching"), ("prefix_hit_rate_tokens", "hit rate (
 
 
 def make_prompts(tokenizer, args) -> list[list[int]]:
-    from kvlab.tasks.data import corpus_tokens, evenly_spaced_windows
-    from kvlab.workloads.azure import DEFAULT_CORPUS
+    from kvlab.study.tasks.data import corpus_tokens, evenly_spaced_windows
+    from kvlab.study.workloads.azure import DEFAULT_CORPUS
 
     windows = evenly_spaced_windows(corpus_tokens(DEFAULT_CORPUS, None, tokenizer), args.system_len,
                                     args.num_requests + 2)

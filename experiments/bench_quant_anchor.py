@@ -2,7 +2,7 @@
 
 Hugging Face's `QuantizedCache` (quanto backend, `optimum-quanto`; KIVI-style, int4 and int2) and kvlab's
 `int4` / `int2` (KIVI: keys per channel, values per token, group 32, residual 32 tokens in full precision)
-run on the same prompts through the same task code (kvlab.tasks.perplexity and kvlab.tasks.agreement:
+run on the same prompts through the same task code (kvlab.study.tasks.perplexity and kvlab.study.tasks.agreement:
 Hugging Face is wrapped in a small adapter giving it `generate` and `score`), each system against its own
 fp32 cache:
   - WikiText-2 perplexity: --num-windows windows, --context tokens prefilled, --continuation scored
@@ -147,10 +147,10 @@ def run(args) -> list[dict]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kvlab import LLM
     from kvlab.models import load_model
-    from kvlab.tasks.agreement import Agreement
-    from kvlab.tasks.base import RunContext
-    from kvlab.tasks.data import corpus_tokens, default_data_dir, evenly_spaced_windows, get_tokenizer
-    from kvlab.tasks.perplexity import Perplexity
+    from kvlab.study.tasks.agreement import Agreement
+    from kvlab.study.tasks.base import RunContext
+    from kvlab.study.tasks.data import corpus_tokens, default_data_dir, evenly_spaced_windows, get_tokenizer
+    from kvlab.study.tasks.perplexity import Perplexity
 
     loaded = load_model(args.model)
     num_layers = loaded.model.config.num_hidden_layers
@@ -212,7 +212,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
         f"# Integer KV-cache formats: Hugging Face's quantised cache against kvlab's ({args.model})",
         "",
         *provenance(meta, "other jobs were running on the machine; seconds are indicative only"),
-        quality_sizes(args, "each system against its own fp32 cache (kvlab.tasks.agreement definitions)") +
+        quality_sizes(args, "each system against its own fp32 cache (kvlab.study.tasks.agreement definitions)") +
         f"Both systems: group size {args.group_size}, residual {args.residual} tokens in full precision. "
         f"KV bytes: one sequence of {args.prompt_length + args.max_new_tokens} tokens, per token per layer, K and V, "
         "scales and zero points included.",

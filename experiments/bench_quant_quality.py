@@ -3,9 +3,9 @@
 For each format (fp32, bf16, fp8_e4m3, int8, int4, int2; KIVI formats with their defaults,
 group_size 32 and a 32-token residual, and again with --residual-zero: residual 0, the whole
 prompt quantised), kvlab's own tasks run on the same engine settings:
-  - kvlab.tasks.perplexity.Perplexity: --num-windows windows of --context + --continuation tokens,
+  - kvlab.study.tasks.perplexity.Perplexity: --num-windows windows of --context + --continuation tokens,
     the continuation scored teacher-forced;
-  - kvlab.tasks.agreement.Agreement against the full-cache fp32 engine (greedy match, top-1 match,
+  - kvlab.study.tasks.agreement.Agreement against the full-cache fp32 engine (greedy match, top-1 match,
     KL of next-token distributions), --num-prompts prompts of --prompt-length tokens.
 Also the pool's bytes per token (scales and zero points included) and the residual area's bytes.
 --residual-bf16 adds int4 / int2 with their residual rows in bfloat16; --variant NAME:key=value,...
@@ -44,10 +44,10 @@ def run(args) -> list[dict]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kvlab import LLM
     from kvlab.models import load_model
-    from kvlab.tasks.agreement import Agreement
-    from kvlab.tasks.base import RunContext
-    from kvlab.tasks.data import default_data_dir
-    from kvlab.tasks.perplexity import Perplexity
+    from kvlab.study.tasks.agreement import Agreement
+    from kvlab.study.tasks.base import RunContext
+    from kvlab.study.tasks.data import default_data_dir
+    from kvlab.study.tasks.perplexity import Perplexity
 
     loaded = load_model(args.model)
     engine = dict(block_size=32, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
@@ -110,12 +110,12 @@ def report(rows: list[dict], meta: dict, args) -> str:
         f"# KV-cache format quality on {args.model}",
         "",
         *provenance(meta, "other jobs were running on the machine; timings are indicative only"),
-        quality_sizes(args, "against the full-cache fp32 engine (kvlab.tasks.agreement)") +
+        quality_sizes(args, "against the full-cache fp32 engine (kvlab.study.tasks.agreement)") +
         "Block size 32; KIVI formats "
         "with group_size 32 (and the residual given in args, default 32 tokens in full precision).",
         "Bytes per token are counted from the pool tensors (one layer, K and V, scales and zero points included); "
         "KIVI's full-precision residual rows are leased from the pool's pages while a window is open "
-        "(kvlab.quant.lease): the column gives the most they held at once.",
+        "(kvlab.cache.quant.lease): the column gives the most they held at once.",
         "",
         table(rows, COLUMNS),
         "",

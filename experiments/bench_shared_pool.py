@@ -3,7 +3,7 @@
 Before (--before, default ce793cb) every layer group had a pool of its own, all with the same number of
 blocks, so on Gemma 3 (15 sliding-window layers, window 512, and 3 full-attention layers) 15/18 of the
 budget sat in the sliding-window pool, which needs at most window/block_size + 1 blocks per sequence.
-After (this checkout), layer groups of equal size draw pages from one pool (kvlab/block_manager.py).
+After (this checkout), layer groups of equal size draw pages from one pool (kvlab/cache/block_manager.py).
 
 Workload: --num-requests WikiText-2 prompts of --min-len..--max-len tokens (beyond the window), all
 queued at t=0, greedy, --max-tokens new tokens each with EOS ignored. The default budget lets the
@@ -104,8 +104,8 @@ def run_child(spec: dict, site: Path | None, workdir: Path) -> dict:
 # -- workload and budget ----------------------------------------------------------------------------------
 def make_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     """`n` WikiText-2 cuts at evenly spaced offsets, lengths uniform in [min_len, max_len]."""
-    from kvlab.tasks.data import corpus_tokens, evenly_spaced_windows
-    from kvlab.workloads.azure import DEFAULT_CORPUS
+    from kvlab.study.tasks.data import corpus_tokens, evenly_spaced_windows
+    from kvlab.study.workloads.azure import DEFAULT_CORPUS
 
     rng = random.Random(seed)
     windows = evenly_spaced_windows(corpus_tokens(DEFAULT_CORPUS, None, tokenizer), max_len, n)
@@ -204,9 +204,9 @@ def engine_spec(args, prompts: list[list[int]], kv_memory: int) -> dict:
 def main(argv=None) -> dict:
     import torch
 
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
-    from kvlab.tasks.data import get_tokenizer
+    from kvlab.study.tasks.data import get_tokenizer
 
     args = parse_args(argv)
     if args.threads:

@@ -42,7 +42,7 @@ def variants(budgets: list[int]) -> list[tuple[str, str, dict]]:
 
 def run_once(model, loaded, policy, policy_args, prompt, args) -> dict:
     from kvlab import LLM, SamplingParams
-    from kvlab.sparse_read import SparseStep
+    from kvlab.policies.sparse_read import SparseStep
 
     llm = LLM(model, loaded=copy.deepcopy(loaded), policy=policy, policy_args=policy_args,
               kv_cache_memory=args.kv_memory, block_size=args.block_size, max_num_batched_tokens=512)

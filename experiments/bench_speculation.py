@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     import torch
 
     from kvlab import LLM
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
 
     torch.set_num_threads(args.threads)

@@ -168,8 +168,8 @@ def build_llm(args, loaded, **overrides):
 
 def micro_prompt(tokenizer, length: int = 32) -> list[int]:
     """A `length`-token WikiText-2 cut, the same for every system."""
-    from kvlab.tasks.data import corpus_tokens
-    from kvlab.workloads.azure import DEFAULT_CORPUS
+    from kvlab.study.tasks.data import corpus_tokens
+    from kvlab.study.workloads.azure import DEFAULT_CORPUS
 
     return corpus_tokens(DEFAULT_CORPUS, None, tokenizer)[1000:1000 + length]
 
@@ -221,7 +221,7 @@ class Bench:
 
 # -- sections -----------------------------------------------------------------------
 def section_micro(bench: Bench, systems) -> list[dict]:
-    from kvlab.workloads.replay import Request
+    from kvlab.study.workloads.replay import Request
 
     args = bench.args
     prompt = micro_prompt(bench.tokenizer)
@@ -244,7 +244,7 @@ def section_micro(bench: Bench, systems) -> list[dict]:
 
 
 def load_trace(bench: Bench):
-    from kvlab.workloads.azure import load_azure_trace
+    from kvlab.study.workloads.azure import load_azure_trace
 
     args = bench.args
     return load_azure_trace(args.trace, args.num_requests, bench.tokenizer, max_context=args.max_context,
@@ -397,11 +397,11 @@ def report(results: dict, meta: dict) -> str:
 
 
 def metadata(args) -> dict:
-    """The runner's run metadata (kvlab.experiment.run_meta: git state, package versions, host, start time)
+    """The runner's run metadata (kvlab.study.experiment.run_meta: git state, package versions, host, start time)
     and what the report adds: the command, the machine, the load."""
     import torch
 
-    from kvlab.experiment import run_meta
+    from kvlab.study.experiment import run_meta
 
     meta = run_meta({"seed": args.seed, **vars(args)})
     return {
@@ -446,7 +446,7 @@ def quality_sizes(args, reference: str) -> str:
 
 def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
     """Print the report and write it as <out>.md, with <out>.json holding the figures and the metadata."""
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
 
     print(text)
     write_report(out, text, {"meta": meta, "rows": rows})
@@ -508,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -36,5 +36,5 @@ if [ "$PHASE" != quality ]; then
     sweep task=none
     for ((k = 1; k < REPEATS; k++)); do sweep task=none seed=$k; done
 fi
-$PY -m kvlab.report multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
+$PY -m kvlab.study.report multirun/${STUDY} --out experiments/results/leaderboard_${MODEL} || status=1
 exit $status

@@ -25,5 +25,5 @@ if [ "${THROUGHPUT:-0}" = 1 ]; then
     $PY -m kvlab -m "${TIMING[@]}" policy=full policy.compression_ratio=0 || status=1
     $PY -m kvlab -m "${TIMING[@]}" "${GRID[@]}" || status=1
 fi
-$PY -m kvlab.report "multirun/${STUDY}" --out "experiments/results/lm_eval_leaderboard_${MODEL}" || status=1
+$PY -m kvlab.study.report "multirun/${STUDY}" --out "experiments/results/lm_eval_leaderboard_${MODEL}" || status=1
 exit $status

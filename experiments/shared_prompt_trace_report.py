@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.experiment import read_record  # noqa: E402
-from kvlab.loggers.local import write_report  # noqa: E402
+from kvlab.study.experiment import read_record  # noqa: E402
+from kvlab.study.loggers.local import write_report  # noqa: E402
 
 
 def main() -> None:

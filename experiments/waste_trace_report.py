@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab.experiment import read_record  # noqa: E402
-from kvlab.loggers.local import write_report  # noqa: E402
+from kvlab.study.experiment import read_record  # noqa: E402
+from kvlab.study.loggers.local import write_report  # noqa: E402
 
 # Kwon et al. 2023 (arXiv:2309.06180): share of KV memory holding token states (Fig. 2, §1) and throughput
 PAPER = {"contiguous max_model_len": "20.4 % (Orca Max)", "contiguous pow2": "26.8 % (Orca Pow2)",

@@ -19,7 +19,7 @@ MAX_HEAD_DIM = 256
 
 CODEC_CAST = 0
 CODEC_SCALED = 1
-CODEC_PACKED = 2  # a packed page store (kvlab.quant.page_store), read by load_packed
+CODEC_PACKED = 2  # a packed page store (kvlab.cache.quant.page_store), read by load_packed
 
 
 def is_pow2(n: int) -> bool:
@@ -72,7 +72,7 @@ def check_device(t: torch.Tensor, device: torch.device, name: str) -> None:
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, packed_ok: bool = False) -> tuple[int, int, int, int]:
     """-> (num_blocks, block_size, Hkv, D) after checking the pool layout. With `packed_ok`, either side
-    may be a packed format's kvlab.quant.page_store.PageStore (the attention kernels read those)."""
+    may be a packed format's kvlab.cache.quant.page_store.PageStore (the attention kernels read those)."""
     if isinstance(k_cache, torch.Tensor) != isinstance(v_cache, torch.Tensor):
         raise ValueError("k_cache and v_cache must both be pool tensors or both packed page stores")
     if not isinstance(k_cache, torch.Tensor):
@@ -80,7 +80,7 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, packed_ok: bo
             raise ValueError(
                 f"k_cache is a packed cache format's pages ({type(k_cache).__name__}: int8 / int4 / int2); this "
                 f"Triton kernel reads element-wise pools only (packed pages are written and copied by the cache "
-                f"itself, kvlab.kv_cache.KVCache)"
+                f"itself, kvlab.cache.kv_cache.KVCache)"
             )
         return check_packed_pair(k_cache, v_cache)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -149,7 +149,7 @@ class PackedSide:
     data: torch.Tensor  # codes [num_blocks, bs, Hkv, D * bits / 8] (int8: [.., D])
     scale: torch.Tensor
     zero: torch.Tensor | None
-    residual: torch.Tensor | None  # flat residual row storage (kvlab.quant.page_store: chunks via area.lease)
+    residual: torch.Tensor | None  # flat residual row storage (kvlab.cache.quant.page_store: chunks via area.lease)
     kind: int
     bits: int
     group: int

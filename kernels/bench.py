@@ -181,7 +181,7 @@ def time_decode(ctx, batch, cache, args, copy_bw, device) -> Row:
     from triton.testing import do_bench
 
     from kvlab.kernels.paged_attention import _launch_config, choose_num_splits, run_paged_attention
-    from kvlab.attention_plan import plan_paged_attention
+    from kvlab.kernels.attention_plan import plan_paged_attention
     from kvlab.kernels.testing import CACHE_DTYPES, FP8
 
     hq, hkv, d, bs = args.q_heads, args.kv_heads, args.head_dim, args.block_size

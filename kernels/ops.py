@@ -27,7 +27,7 @@ import torch
 
 from kvlab.kernels.reference import block_ops as _ref_blocks
 from kvlab.kernels.reference import paged_attention as _ref_attn
-from kvlab.attention_plan import AttentionPlan, plan_paged_attention
+from kvlab.kernels.attention_plan import AttentionPlan, plan_paged_attention
 from kvlab.kernels.reference.store_kv import store_kv_ref
 
 _BACKENDS = ("auto", "torch", "triton")

@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 
 from kvlab.kernels import _checks as C
-from kvlab.attention_plan import AttentionPlan, memo, plan_paged_attention
+from kvlab.kernels.attention_plan import AttentionPlan, memo, plan_paged_attention
 from kvlab.kernels.triton_kernels.attention_stats import attention_stats_kernel
 from kvlab.kernels.triton_kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
 

@@ -14,7 +14,7 @@ _LAZY = {
     "LLM": "kvlab.llm",
     "SamplingParams": "kvlab.sampling_params",
     "EngineConfig": "kvlab.engine_config",
-    "LLMEngine": "kvlab.llm_engine",
+    "LLMEngine": "kvlab.engine.llm_engine",
     "RequestOutput": "kvlab.outputs",
     "CompletionOutput": "kvlab.outputs",
     "ScoreOutput": "kvlab.outputs",

@@ -6,12 +6,12 @@
     kvlab-run -m experiment=smoke                        # a named study (conf/experiment/)
     kvlab-run -m hydra/launcher=parallel ...             # the same sweep, jobs in parallel (joblib)
 
-Registered plugins become group options first (kvlab.conf_plugins). A single run
+Registered plugins become group options first (kvlab.study.conf_plugins). A single run
 exits non-zero when it fails. In a sweep a failed job is recorded as failed and
 the sweep goes on; at its end a summary lists the jobs finished / failed /
-skipped, and the exit status is 1 if any failed (kvlab.sweep_report).
+skipped, and the exit status is 1 if any failed (kvlab.study.sweep_report).
 fail_fast=true stops the sweep at the first failure. A config error (a value the
-schema, kvlab.preflight or the engine refuses) is one line, `config error: <path>:
+schema, kvlab.study.preflight or the engine refuses) is one line, `config error: <path>:
 <problem>`, exit status 1, no traceback (the run's record keeps it); every check
 that does not need the weights runs before any model loads.
 """
@@ -27,14 +27,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from kvlab.conf_plugins import CONF_DIR, register_plugin_configs
-from kvlab.config import ConfigError, validate
-from kvlab.experiment import config_hash, find_finished, read_record, run_experiment
-from kvlab.launchers import register_launchers
-from kvlab.loggers.local import RECORD
-from kvlab.preflight import one_line
-from kvlab.study import Outcome, make_study
-from kvlab.sweep_report import SweepStopped, error_line, sweep_has_failed
+from kvlab.study.conf_plugins import CONF_DIR, register_plugin_configs
+from kvlab.study.config import ConfigError, validate
+from kvlab.study.experiment import config_hash, find_finished, read_record, run_experiment
+from kvlab.study.launchers import register_launchers
+from kvlab.study.loggers.local import RECORD
+from kvlab.study.preflight import one_line
+from kvlab.study.study import Outcome, make_study
+from kvlab.study.sweep_report import SweepStopped, error_line, sweep_has_failed
 
 log = logging.getLogger("kvlab")
 
@@ -53,7 +53,7 @@ def task(cfg: DictConfig) -> dict | None:
 
 def sweep_job(cfg: DictConfig, hc) -> Outcome:
     """One job of a sweep; never raises: returns its outcome (status, error, and in a study the objective
-    values, kvlab.study) for SweepReport and the sweeper."""
+    values, kvlab.study.study) for SweepReport and the sweeper."""
     job_name = hc.job.override_dirname or f"job{hc.job.num}"
     if cfg.get("fail_fast", False) and sweep_has_failed(hc.sweep.dir):
         log.warning("job %s not run: an earlier job of this sweep failed and fail_fast is set", job_name)

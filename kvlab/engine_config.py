@@ -4,8 +4,8 @@
 
 The Hydra experiment config holds the same options, laid out by section
 (`engine.<field>`, `model.name` / `model.dtype`, `seed`, and the plugin sections
-`policy` / `quant` / `draft`); kvlab.config checks a composed config against
-these fields and maps it onto them (`kvlab.config.engine_options`). Adding an
+`policy` / `quant` / `draft`); kvlab.study.config checks a composed config against
+these fields and maps it onto them (`kvlab.study.config.engine_options`). Adding an
 engine option costs one field here and one commented line in conf/engine/default.yaml.
 
 A wrong option raises `EngineOptionError` (a ValueError) naming it::

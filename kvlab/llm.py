@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Sequence as Seq
 
 from kvlab.engine_config import EngineConfig
-from kvlab.llm_engine import LLMEngine, as_token_ids
+from kvlab.engine.llm_engine import LLMEngine, as_token_ids
 from kvlab.models import LoadedModel
 from kvlab.outputs import RequestOutput, ScoreOutput, merge_samples
 from kvlab.sampling_params import SamplingParams, as_sampling_params

@@ -24,7 +24,7 @@ KV held, three ways (`LLMEngine.stats()`):
   fewer bytes than a full cache's. Page counts compare only configurations with one grouping.
 - `kv_bytes_peak` / `kv_bytes_mean`: the pages in use times what one page costs (K and V of the layers
   and heads it holds, in the cache format, scales and zero points included): comparable across
-  groupings. KIVI's full-precision residual rows live in leased pool pages (kvlab.quant.lease), so they
+  groupings. KIVI's full-precision residual rows live in leased pool pages (kvlab.cache.quant.lease), so they
   are counted as pages in use; a stand-alone cache's own residual area (no lessor) is not.
 - `kv_tokens_peak` / `kv_tokens_mean`: the token slots those pages hold, per layer and KV head of the
   model, summed over sequences (`tokens_per_page`: a page of one layer of a 30-layer model counts

@@ -34,10 +34,10 @@ T = TypeVar("T")
 ENTRY_POINT_GROUP = "kvlab.plugins"
 
 _BUILTIN_MODULES = (
-    "kvlab.allocators",
-    "kvlab.prefix_eviction",
-    "kvlab.quant",
-    "kvlab.drafts",
+    "kvlab.cache.allocators",
+    "kvlab.cache.prefix_eviction",
+    "kvlab.cache.quant",
+    "kvlab.speculation.drafts",
     "kvlab.policies",
 )
 
@@ -173,7 +173,7 @@ def plugin_errors() -> dict[str, str]:
 
 
 # One registry per kind. Bases are attached by the modules that define them
-# (kvlab.allocators.base etc.) so that this file stays import-light.
+# (kvlab.cache.allocators.base etc.) so that this file stays import-light.
 ALLOCATORS: Registry = Registry("allocator")
 POLICIES: Registry = Registry("policy", plural="policies")
 DRAFTS: Registry = Registry("draft model")

@@ -1,7 +1,7 @@
 """Dataclass fields as a schema: their types and defaults, and values checked against them.
 
 Shared by the runtime `kvlab.engine_config.EngineConfig` (which checks its own
-fields) and the Hydra config checker `kvlab.config` (which checks every section
+fields) and the Hydra config checker `kvlab.study.config` (which checks every section
 of a composed config against a dataclass: the engine's, a plugin's, a task's).
 Torch-free and cheap to import.
 
@@ -12,6 +12,7 @@ Torch-free and cheap to import.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import enum
 import types
 import typing
@@ -107,3 +108,12 @@ def type_name(ann: Any) -> str:
     if origin in (dict, Mapping) or ann in (dict, Mapping):
         return "a mapping"
     return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+
+
+def import_target(target: str, path: str) -> type:
+    """The object a config's dotted `_target_` names; a ConfigError naming `path` when it cannot be imported."""
+    module, _, attr = str(target).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot import {target!r} ({exc})") from None

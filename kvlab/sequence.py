@@ -39,7 +39,7 @@ class Sequence:
         self.logprobs: list[float] = []  # scoring: log p of each continuation token
         self.dists: list = []  # scoring with return_dists: one log-prob vector per continuation token
         # speculative decoding: tokens drafted after the last one, computed this step in tentative
-        # slots; never part of token_ids until verified (kvlab/speculation.py)
+        # slots; never part of token_ids until verified (kvlab/speculation/speculator.py)
         self.draft_token_ids: list[int] = []
         self.draft_parents: list[int] = []  # a token tree: parent index of each draft (-1: the last token); [] a chain
         self.stop_strings = None  # stop strings: the matcher on the detokenised output (kvlab/stop_strings.py)

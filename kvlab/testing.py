@@ -19,7 +19,7 @@ Each check raises AssertionError naming what failed:
 - block sizes: the same tokens with pages of 1 and 16 tokens;
 - no-op: with a budget covering the whole sequence the output equals the full cache's.
 
-Policies that read selected pages at decode (kvlab.sparse_read.SparseReadPolicy: quest, rocketkv)
+Policies that read selected pages at decode (kvlab.policies.sparse_read.SparseReadPolicy: quest, rocketkv)
 are checked differently where their nature requires it, and only there:
 - budget: also, no decode read covers more slots than the pages the policy reads per step;
 - memory: a policy that evicts nothing (quest) holds exactly the full cache's pages: nothing is
@@ -38,7 +38,7 @@ import torch
 from kvlab.llm import LLM
 from kvlab.models import LoadedModel
 from kvlab.sampling_params import SamplingParams
-from kvlab.sparse_read import SparseReadPolicy
+from kvlab.policies.sparse_read import SparseReadPolicy
 
 CHECKS = ("budget", "memory", "determinism", "batch", "block_sizes", "no_op")
 

@@ -3,7 +3,7 @@
 kvpress's `ScorerPress` shape: the narrowest hook is `score` (one number per cached token per KV
 head, higher = keep); the base class owns the budget (`budget` tokens kept per sequence per layer,
 or kvpress's `compression_ratio`, the fraction removed), the top-k and the schedule (`when`). The
-engine (kvlab.compressor) gathers a layer's cached keys and values, asks the policy which cache
+engine (kvlab.policies.compressor) gathers a layer's cached keys and values, asks the policy which cache
 indices to keep, and compacts the survivors into fewer pages through the block manager, so the
 pages freed go back to the shared pool. Positions are untouched: kept tokens keep their RoPE
 positions.

@@ -12,7 +12,7 @@ import torch
 
 from kvlab.policies.base import Policy
 from kvlab.registry import POLICIES
-from kvlab.sparse_read import SparseReadPolicy
+from kvlab.policies.sparse_read import SparseReadPolicy
 
 
 @POLICIES.register("quest")

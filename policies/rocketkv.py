@@ -15,7 +15,7 @@ import torch
 from kvlab.policies.base import Policy
 from kvlab.policies.snapkv import SnapKV
 from kvlab.registry import POLICIES
-from kvlab.sparse_read import SparseReadPolicy
+from kvlab.policies.sparse_read import SparseReadPolicy
 
 
 @POLICIES.register("rocketkv")
@@ -31,7 +31,7 @@ class RocketKV(SparseReadPolicy, Policy):
     read cost `budget // 2` tokens of keys, ceil(D * block_size * (budget // 2) / n), at most D.
 
     Stage 1 holds a `SnapKV` and uses its scores; the pages it frees go back to the pool. Stage 2
-    keeps per-page channel-wise key min and max (kvlab.sparse_read); for each KV head the channels
+    keeps per-page channel-wise key min and max (kvlab.policies.sparse_read); for each KV head the channels
     are ranked by |q| summed over its query heads, the page bound on a channel is its max where that
     sum is positive and its min where negative (the paper's sign trick), the approximate logits
     q_hat . k_hat are divided by sqrt(D * |q_hat|_1 / |q|_1) times the model's scale, and a softmax

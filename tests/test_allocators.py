@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlab.allocators.base import NULL_BLOCK, OutOfBlocks
+from kvlab.cache.allocators.base import NULL_BLOCK, OutOfBlocks
 from kvlab.registry import ALLOCATORS
 
 BLOCK_SIZES = [1, 4, 16]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig, EngineOptionError
 from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, UnknownPluginError
@@ -202,7 +202,7 @@ def names(registry) -> str:
     (dict(quant="nope"), QUANT_FORMATS, "quantisation format"),
 ])
 def test_unknown_plugin_name_fails_before_the_model_loads(kwargs, registry, kind, monkeypatch):
-    monkeypatch.setattr(kvlab.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     expected = rf"unknown {kind} 'nope'; registered {kind[:-1]}\w*: " + names(registry).replace(".", r"\.")
     with pytest.raises(UnknownPluginError, match=expected):
         LLM(MODEL, **kwargs)
@@ -310,7 +310,7 @@ def test_draft_with_a_compressing_policy_fails_before_the_model():
 def test_model_draft_needs_the_targets_vocabulary():
     from types import SimpleNamespace as NS
 
-    from kvlab.drafts.model import check_same_vocabulary
+    from kvlab.speculation.drafts.model import check_same_vocabulary
 
     def loaded(vocab, tokenizer=None):
         return NS(model=NS(config=NS(vocab_size=vocab)), tokenizer=tokenizer)

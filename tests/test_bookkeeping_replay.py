@@ -1,4 +1,4 @@
-"""The model-free trace replay (kvlab/workloads/bookkeeping.py): the pool breakdown per step against
+"""The model-free trace replay (kvlab/study/workloads/bookkeeping.py): the pool breakdown per step against
 hand computations, paging's analytic bound, and bad input. Torch-free and fast."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.workloads.bookkeeping import COLUMNS, TraceBookkeeping, TraceRequest, fit_requests, replay_bookkeeping
+from kvlab.study.workloads.bookkeeping import COLUMNS, TraceBookkeeping, TraceRequest, fit_requests, replay_bookkeeping
 
 
 def rows(result, *names):

@@ -1,7 +1,7 @@
 """Heterogeneous-vocabulary drafts (`slem`, `tli`, `slrs`; Timor et al. 2025) in the engine.
 
 Tiny random Llamas (vocab 256, no tokenizer) given two different toy tokenizers over one alphabet
-(kvlab/drafts/vocabulary.py): the target reads its ids as `toy-a`; the draft as `toy-b` (two thirds
+(kvlab/speculation/drafts/vocabulary.py): the target reads its ids as `toy-a`; the draft as `toy-b` (two thirds
 of toy-a's strings at the same ids: with the target's own weights it agrees with the target on
 runs of shared tokens, so drafts are accepted) or as `toy-p` (a third of toy-a's strings under
 other ids, other weights: nearly every draft rejected, so every step rolls back). Greedy output
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.drafts.base import DraftModel, Proposal
-from kvlab.drafts.vocabulary import Bridge, complete_utf8, from_tokenizer, load_vocabulary, toy
+from kvlab.speculation.drafts.base import DraftModel, Proposal
+from kvlab.speculation.drafts.vocabulary import Bridge, complete_utf8, from_tokenizer, load_vocabulary, toy
 
 MODEL = "random:llama-tiny"
 ALIGNED = {"model": MODEL, "tokenizer": "toy-b", "target_tokenizer": "toy-a"}  # the target's weights
@@ -326,7 +326,7 @@ def test_bad_input_fails_before_any_work():
     # loading the draft; with the real pair in the heavy test below)
     from types import SimpleNamespace
 
-    from kvlab.drafts.model import check_same_vocabulary
+    from kvlab.speculation.drafts.model import check_same_vocabulary
 
     other = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)), tokenizer=None)
     with pytest.raises(ValueError, match="draft='slem' or draft='tli'"):

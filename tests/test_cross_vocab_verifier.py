@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.drafts.slrs import segment, token_proposal
-from kvlab.drafts.tli import shared_index, to_target
-from kvlab.drafts.vocabulary import Bridge, toy
-from kvlab.verifier import inverse_cdf, speculative_sample
+from kvlab.speculation.drafts.slrs import segment, token_proposal
+from kvlab.speculation.drafts.tli import shared_index, to_target
+from kvlab.speculation.drafts.vocabulary import Bridge, toy
+from kvlab.speculation.verifier import inverse_cdf, speculative_sample
 from test_verifier import chi2_critical, chi_square
 
 TARGET = toy(["a", "b", "c", "ab", "bc", "ca", "abc"], num_special=1)  # ids 1..7, 0 special

@@ -105,7 +105,7 @@ def _gemma_prompts(tok):
 
 
 def _essay_path():
-    from kvlab.tasks.data import default_data_dir
+    from kvlab.study.tasks.data import default_data_dir
 
     path = default_data_dir() / "paul-graham-essays" / "addiction.txt"  # $KVLAB_DATA, else ../shared/data
     if not path.exists():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 
 MODEL = "random:llama-tiny"
@@ -112,7 +112,7 @@ def test_aborted_preempted_and_finished_requests_leave_nothing_behind(config):
 def test_a_failed_generate_leaves_nothing_behind(config, monkeypatch):
     """A step fails (the sampler raises) while requests decode, some with n > 1: generate() aborts them all."""
     llm = make(config)
-    real = kvlab.llm_engine.sample
+    real = kvlab.engine.llm_engine.sample
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -120,12 +120,12 @@ def test_a_failed_generate_leaves_nothing_behind(config, monkeypatch):
         if calls["n"] == 12:
             raise RuntimeError("injected sampler failure")
         return real(*args, **kwargs)
-    monkeypatch.setattr(kvlab.llm_engine, "sample", failing)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "sample", failing)
     n = 1 if llm.engine.speculator else 2
     with pytest.raises(RuntimeError, match="injected sampler failure"):
         llm.generate(prompts(6, seed=1), SamplingParams(max_tokens=24, ignore_eos=True, n=n))
     assert leftovers(llm.engine) == {}
-    monkeypatch.setattr(kvlab.llm_engine, "sample", real)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "sample", real)
     outs = llm.generate(prompts(2, seed=2), SamplingParams(max_tokens=4, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [4, 4]
     assert leftovers(llm.engine) == {}
@@ -136,7 +136,7 @@ def test_a_failed_generate_aborts_the_samples_of_a_finished_first_sample(monkeyp
     fails; generate() must abort the others too (their first sample, the request's id, already finished)."""
     llm = make("snapkv-decode")
     engine = llm.engine
-    real = kvlab.llm_engine.sample
+    real = kvlab.engine.llm_engine.sample
     fired = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -144,7 +144,7 @@ def test_a_failed_generate_aborts_the_samples_of_a_finished_first_sample(monkeyp
             fired["n"] += 1
             raise RuntimeError("injected sampler failure")
         return real(*args, **kwargs)
-    monkeypatch.setattr(kvlab.llm_engine, "sample", failing)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "sample", failing)
     for seed in range(20):  # seeded: the first seed whose sample 0 stops first is always the same
         params = SamplingParams(max_tokens=24, n=3, temperature=1.5, seed=seed, stop_token_ids=list(range(3, 60)))
         try:

@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-eval is an extra: pip install -e .[lm_eval]")
 
-import kvlab.lm_eval  # noqa: E402  (registers the model)
+import kvlab.study.lm_eval  # noqa: E402  (registers the model)
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.lm_eval import KvlabLM, args  # noqa: E402
-from kvlab.lm_eval.args import ModelArgsError, split_model_args  # noqa: E402
-from kvlab.lm_eval.generation import cut_at_stop, parse_gen_kwargs  # noqa: E402
-from kvlab.lm_eval.model import rolling_windows  # noqa: E402
+from kvlab.study.lm_eval import KvlabLM, args  # noqa: E402
+from kvlab.study.lm_eval.args import ModelArgsError, split_model_args  # noqa: E402
+from kvlab.study.lm_eval.generation import cut_at_stop, parse_gen_kwargs  # noqa: E402
+from kvlab.study.lm_eval.model import rolling_windows  # noqa: E402
 
 TINY = dict(pretrained="random:llama-tiny", block_size=8, kv_cache_memory="4MiB", max_model_len=129)
 
@@ -140,7 +140,7 @@ def test_is_greedy_holds_few_distributions_at_once(lm, monkeypatch):
 
 def test_too_long_a_request_is_truncated_from_the_left_as_hf_does(lm, caplog):
     ctx, cont = list(range(1, 200)), [3, 4, 5]
-    with caplog.at_level(logging.WARNING, logger="kvlab.lm_eval"):
+    with caplog.at_level(logging.WARNING, logger="kvlab.study.lm_eval"):
         (logprob, _), = lm._loglikelihood_tokens([(None, ctx, cont)])
     assert "truncating 73 tokens from the left" in caplog.text  # 202 tokens, max_length + 1 = 129 kept
     kept = (ctx + cont)[-129:]
@@ -209,7 +209,7 @@ def test_gen_kwargs_follow_lm_evals_normalisation():
 
 
 def test_a_prompt_longer_than_the_room_left_is_truncated_from_the_left(lm, caplog):
-    with caplog.at_level(logging.WARNING, logger="kvlab.lm_eval"):
+    with caplog.at_level(logging.WARNING, logger="kvlab.study.lm_eval"):
         lm.generate_until([Req("x" * 300, {"until": [], "max_gen_toks": 8})])
     assert "prompt of 300 tokens exceeds the 120 that fit" in caplog.text
     with pytest.raises(ValueError, match="max_gen_toks=128 leaves no room"):
@@ -236,7 +236,7 @@ def test_chat_template_is_the_tokenizers_and_its_absence_is_an_error(lm, monkeyp
 # -- offline task data and the Hydra task -----------------------------------------------------------
 
 def test_lambada_passages_end_a_sentence_on_a_word():
-    from kvlab.lm_eval.local_data import lambada_rows, passage
+    from kvlab.study.lm_eval.local_data import lambada_rows, passage
 
     text = "One two three four. Five six seven 1984. Eight nine ten eleven twelve."
     assert passage(text, 3, 9) == "One two three four"  # "1984" is no word; twelve is past 9 words
@@ -248,7 +248,7 @@ def test_lambada_passages_end_a_sentence_on_a_word():
 
 
 def test_wikitext_documents_are_the_articles(tmp_path):
-    from kvlab.lm_eval.local_data import wikitext2_documents
+    from kvlab.study.lm_eval.local_data import wikitext2_documents
 
     (tmp_path / "w.raw").write_text(" \n = First = \n text one \n = = Sub = = \n more \n = Second = \n two \n")
     docs = wikitext2_documents(tmp_path, "w.raw")
@@ -256,7 +256,7 @@ def test_wikitext_documents_are_the_articles(tmp_path):
 
 
 def test_hydra_task_metric_names_and_checks():
-    from kvlab.tasks.lm_eval import LmEval, flat_metrics
+    from kvlab.study.tasks.lm_eval import LmEval, flat_metrics
 
     results = {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": "N/A", "exact_match,first_word": 1.0}}
     assert flat_metrics(results) == {"lm_eval/t/acc": 0.5, "lm_eval/t/exact_match/first_word": 1.0}
@@ -270,7 +270,7 @@ def test_hydra_task_metric_names_and_checks():
 def test_the_task_folder_holds_every_documented_task():
     from lm_eval.tasks import TaskManager
 
-    names = set(TaskManager(include_path=str(kvlab.lm_eval.TASKS_DIR), include_defaults=False).all_tasks)
+    names = set(TaskManager(include_path=str(kvlab.study.lm_eval.TASKS_DIR), include_defaults=False).all_tasks)
     assert {"kvlab_wikitext2", "kvlab_lambada_wikitext", "kvlab_lambada_wikitext_gen", "kvlab_niah",
             "kvlab_local"} <= names
 
@@ -278,10 +278,10 @@ def test_the_task_folder_holds_every_documented_task():
 def test_lm_eval_metrics_reach_the_leaderboard_beside_the_costs():
     import pandas as pd
 
-    from kvlab.analysis import better, leaderboard, score_columns
+    from kvlab.study.analysis import better, leaderboard, score_columns
 
     runs = pd.DataFrame([{"policy.name": p, "model.name": "m", "policy.compression_ratio": r,
-                          "task._target_": "kvlab.tasks.lm_eval.LmEval", "lm_eval/t/acc": acc,
+                          "task._target_": "kvlab.study.tasks.lm_eval.LmEval", "lm_eval/t/acc": acc,
                           "lm_eval/t/perplexity": ppl, "lm_eval/wall_s": 3.0, "workload/tokens_per_s": 10.0}
                          for p, r, acc, ppl in [("full", 0.0, 0.5, 9.0), ("snapkv", 0.5, 0.25, 12.0)]])
     board = leaderboard(runs)
@@ -294,10 +294,10 @@ def test_lm_eval_metrics_reach_the_leaderboard_beside_the_costs():
 def test_a_workload_sweep_in_the_same_study_merges_beside_the_lm_eval_columns():
     import pandas as pd
 
-    from kvlab.analysis import leaderboard, merge_tasks
+    from kvlab.study.analysis import leaderboard, merge_tasks
 
     lm = [{"policy.name": "snapkv", "model.name": "m", "policy.compression_ratio": r, "lm_eval/t/acc": a,
-           "task._target_": "kvlab.tasks.lm_eval.LmEval"} for r, a in [(0.25, 0.5), (0.5, 0.4)]]
+           "task._target_": "kvlab.study.tasks.lm_eval.LmEval"} for r, a in [(0.25, 0.5), (0.5, 0.4)]]
     timing = [{"policy.name": "snapkv", "model.name": "m", "policy.compression_ratio": r, "task._target_": None,
                "workload/tokens_per_s": s, "workload/kv_bytes_mean": 2.0**20} for r, s in [(0.25, 10.0), (0.5, 12.0)]]
     merged = merge_tasks(leaderboard(pd.DataFrame(lm + timing)))

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-eval is an extra: pip install -e .[lm_eval]")
 
-from kvlab.lm_eval.parity import compare, evaluate_both  # noqa: E402
+from kvlab.study.lm_eval.parity import compare, evaluate_both  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.heavy]
 

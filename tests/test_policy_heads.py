@@ -196,8 +196,8 @@ def test_adakv_bad_parameters_fail_before_the_model_loads(args, message):
 def test_a_compressing_policy_needs_an_allocator_that_can_compact():
     from dataclasses import dataclass
 
-    from kvlab.allocators.paged import PagedAllocator
-    from kvlab.allocators.base import Allocator
+    from kvlab.cache.allocators.paged import PagedAllocator
+    from kvlab.cache.allocators.base import Allocator
     from kvlab.registry import ALLOCATORS
 
     @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.registry import POLICIES
-from kvlab.scheduler import Scheduler
+from kvlab.engine.scheduler import Scheduler
 from test_prefill_chunk import manager
 from test_scheduler import request, run_step
 

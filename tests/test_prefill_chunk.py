@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.registry import ALLOCATORS
-from kvlab.scheduler import Scheduler
+from kvlab.engine.scheduler import Scheduler
 from test_scheduler import request, run_step
 
 

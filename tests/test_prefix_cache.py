@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab.allocators import NULL_BLOCK, PagedAllocator
-from kvlab.block_manager import BlockManager, LayerGroup
-from kvlab.prefix_cache import PrefixCache, chain_hash, request_salt
-from kvlab.radix_cache import RadixCache
+from kvlab.cache.allocators import NULL_BLOCK, PagedAllocator
+from kvlab.cache.block_manager import BlockManager, LayerGroup
+from kvlab.cache.prefix_cache import PrefixCache, chain_hash, request_salt
+from kvlab.cache.radix_cache import RadixCache
 from kvlab.registry import PREFIX_EVICTIONS
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence

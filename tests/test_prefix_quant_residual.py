@@ -56,7 +56,7 @@ def test_a_hit_equals_caching_off_and_leaves_the_window_to_compute(quant, tail):
 def test_a_finished_requests_window_pages_are_sealed_and_shared():
     """The first request's last prompt pages are still open when it finishes (its window moved only by
     its 10 generated tokens): they are sealed then, their residual rows going back to the pool's free
-    pages (kvlab.quant.lease), and a longer prompt containing it hits them all, as caching off reads them."""
+    pages (kvlab.cache.quant.lease), and a longer prompt containing it hits them all, as caching off reads them."""
     on = llm(True)
     engine = on.engine
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -4,8 +4,8 @@ text) through every integer format: each element within half a quantisation step
 import pytest
 import torch
 
-from kvlab.block_manager import LayerGroup
-from kvlab.kv_cache import KVCache
+from kvlab.cache.block_manager import LayerGroup
+from kvlab.cache.kv_cache import KVCache
 from kvlab.registry import build
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in fixed-size "

@@ -1,4 +1,4 @@
-"""int4 / int2 residual rows leased from the pool (kvlab.quant.lease) in the engine: the whole byte budget
+"""int4 / int2 residual rows leased from the pool (kvlab.cache.quant.lease) in the engine: the whole byte budget
 buys pages, a sequence's open pages borrow free pages' codes for their full-precision rows and give them
 back when sealed or freed, so few running sequences hold what the format's bits promise; outputs are
 those of rows in an area of their own. Tiny random Llama (2 layers, 2 KV heads of 16)."""
@@ -6,7 +6,7 @@ those of rows in an area of their own. Tiny random Llama (2 layers, 2 KV heads o
 import pytest
 import torch
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 
 MODEL = "random:llama-tiny"
@@ -29,7 +29,7 @@ def engine(quant, pages: int | None = None, memory="1MiB", **kw) -> LLM:
 
 def own_rows(monkeypatch):
     """Engines built from here on keep residual rows in an area of their own (one row per page)."""
-    monkeypatch.setattr(kvlab.llm_engine, "lessor_for", lambda *a, **k: None)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "lessor_for", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("quant,k", [("int4", 8), ("int2", 16)])
@@ -76,7 +76,7 @@ def test_leased_rows_answer_as_rows_of_their_own(quant, monkeypatch):
 
 @pytest.mark.parametrize("quant,pages", [("int4", 40), ("int2", 80)])
 def test_a_pool_short_of_free_pages_answers_as_a_large_one(quant, pages):
-    """12 requests in a few pages (a row costs 8 int4 pages here, 16 int2 pages): rows are claimed as steps are scheduled (kvlab.quant.lease.RowClaims), so
+    """12 requests in a few pages (a row costs 8 int4 pages here, 16 int2 pages): rows are claimed as steps are scheduled (kvlab.cache.quant.lease.RowClaims), so
     requests wait or are preempted instead of a page being sealed before its tokens leave the window;
     greedy tokens and log-probabilities equal the same requests in a pool ten times larger, no page is
     sealed early, and the pool drains."""

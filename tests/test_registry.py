@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 import kvlab.registry as registry
-from kvlab.allocators.base import Allocator
+from kvlab.cache.allocators.base import Allocator
 from kvlab.registry import (
     ALLOCATORS,
     POLICIES,
@@ -152,7 +152,7 @@ def test_class_not_subclassing_the_base_fails_naming_the_base(widgets):
 
     with pytest.raises(PluginInterfaceError, match=r"widget 'rogue': .*Rogue must subclass .*test_registry\.Widget"):
         widgets.register("rogue")(Rogue)
-    with pytest.raises(PluginInterfaceError, match=r"must subclass kvlab\.allocators\.base\.Allocator"):
+    with pytest.raises(PluginInterfaceError, match=r"must subclass kvlab\.cache\.allocators\.base\.Allocator"):
         ALLOCATORS.register("test-rogue")(Rogue)
     assert "rogue" not in widgets and "test-rogue" not in ALLOCATORS
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.sampler import request_generator
 
@@ -145,7 +145,7 @@ def test_score_rejects_an_empty_continuation_and_too_long_requests(big):
 
 # -- a failed step ---------------------------------------------------------------------
 def test_a_failure_inside_a_step_aborts_the_call_and_leaves_the_engine_usable(big, monkeypatch):
-    real = kvlab.llm_engine.sample
+    real = kvlab.engine.llm_engine.sample
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -154,14 +154,14 @@ def test_a_failure_inside_a_step_aborts_the_call_and_leaves_the_engine_usable(bi
             raise RuntimeError("injected sampler failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvlab.llm_engine, "sample", flaky)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "sample", flaky)
     prompts = [random_ids(10, seed=i) for i in range(4)]
     params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2 + [
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=s) for s in (5, 6)]
     with pytest.raises(RuntimeError, match="injected sampler failure"):
         big.generate(prompts, params)
     assert_idle(big)
-    monkeypatch.setattr(kvlab.llm_engine, "sample", real)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "sample", real)
     again = big.generate(prompts, params)
     clean = LLM(MODEL, max_model_len=256, kv_cache_memory=64 * BLOCK_BYTES).generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in clean]  # nothing of the failed call stayed behind
@@ -327,7 +327,7 @@ def test_random_mixes_with_failures_leave_the_engine_consistent(blocks, calls, s
     """Failures are injected into the sampling stage of a step (run for scoring steps too);
     fail_at 0 means no failure in that call."""
     llm = _engine(blocks)
-    real = kvlab.llm_engine.LLMEngine._sample
+    real = kvlab.engine.llm_engine.LLMEngine._sample
     for requests, fail_at in calls:
         count = {"n": 0}
 
@@ -337,7 +337,7 @@ def test_random_mixes_with_failures_leave_the_engine_consistent(blocks, calls, s
                 raise RuntimeError("injected")
             return real(self, out)
 
-        kvlab.llm_engine.LLMEngine._sample = flaky
+        kvlab.engine.llm_engine.LLMEngine._sample = flaky
         try:
             gens = [r for r in requests if r[0] == "generate"]
             scores = [r for r in requests if r[0] == "score"]
@@ -358,5 +358,5 @@ def test_random_mixes_with_failures_leave_the_engine_consistent(blocks, calls, s
             except RuntimeError as exc:
                 assert str(exc) == "injected"
         finally:
-            kvlab.llm_engine.LLMEngine._sample = real
+            kvlab.engine.llm_engine.LLMEngine._sample = real
         assert_idle(llm)

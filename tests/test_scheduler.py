@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvlab.allocators.base import NULL_BLOCK
-from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.cache.allocators.base import NULL_BLOCK
+from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.registry import ALLOCATORS
 from kvlab.sampling_params import SamplingParams
-from kvlab.scheduler import ScheduledBatch, Scheduler
+from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.sequence import Sequence, SequenceStatus
 
 FAKE_TOKEN = 7

@@ -1,4 +1,4 @@
-"""Sparse reading at decode (kvlab.sparse_read) and the two policies built on it, quest and rocketkv.
+"""Sparse reading at decode (kvlab.policies.sparse_read) and the two policies built on it, quest and rocketkv.
 
 The seam is checked against references computed here from the raw keys (no page summaries, no
 reduced plans): Quest's page selection by its upper bound and a dense attention masked to the
@@ -19,12 +19,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.attention_plan import NULL_BLOCK, plan_paged_attention  # noqa: E402
-from kvlab.block_manager import equal_groups  # noqa: E402
+from kvlab.kernels.attention_plan import NULL_BLOCK, plan_paged_attention  # noqa: E402
+from kvlab.cache.block_manager import equal_groups  # noqa: E402
 from kvlab.kernels import ops  # noqa: E402
-from kvlab.kv_cache import KVCache  # noqa: E402
+from kvlab.cache.kv_cache import KVCache  # noqa: E402
 from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
-from kvlab.sparse_read import SparseRead, SparseStep, check_engine  # noqa: E402
+from kvlab.policies.sparse_read import SparseRead, SparseStep, check_engine  # noqa: E402
 from kvlab.testing import check_policy  # noqa: E402
 
 HKV, G, D, BS = 2, 2, 16, 4

@@ -176,7 +176,7 @@ def test_metrics():
 
 
 def test_ngram_lookup():
-    from kvlab.drafts.ngram import lookup
+    from kvlab.speculation.drafts.ngram import lookup
 
     assert lookup([1, 2, 3, 9, 1, 2, 3], 3, 1, 3) == [9, 1, 2]  # the longest suffix, [1, 2, 3]
     assert lookup([1, 2, 3, 9, 8, 2, 3, 7, 2, 3], 2, 1, 3) == [7, 2]  # [2, 3], the most recent match

@@ -18,11 +18,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab.allocators.base import NULL_BLOCK
-from kvlab.allocators.paged import PagedAllocator
-from kvlab.block_manager import BlockManager, LayerGroup
+from kvlab.cache.allocators.base import NULL_BLOCK
+from kvlab.cache.allocators.paged import PagedAllocator
+from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.sampling_params import SamplingParams
-from kvlab.scheduler import Scheduler
+from kvlab.engine.scheduler import Scheduler
 from kvlab.sequence import Sequence, SequenceStatus
 
 BLOCK, NUM_BLOCKS, WINDOW = 2, 40, 6

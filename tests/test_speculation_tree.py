@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.drafts.base import DraftModel, Proposal
+from kvlab.speculation.drafts.base import DraftModel, Proposal
 from test_speculation import BYTES_PER_TOKEN, MODEL, plain, prompts
 
 SAME = ("tree", {"model": MODEL, "width": 2, "depth": 3})  # first children always accepted
@@ -171,8 +171,8 @@ def test_sampled_tree_outputs_follow_the_plain_distribution():
 
 def test_tree_mask_and_positions():
     """The runner lays a tree out at its depths' positions, each node seeing its ancestors only."""
-    from kvlab.model_runner import tree_mask
-    from kvlab.tree_verifier import ancestor_mask
+    from kvlab.engine.model_runner import tree_mask
+    from kvlab.speculation.tree_verifier import ancestor_mask
 
     anc = ancestor_mask([-1, 0, 1, 0])  # root -> a -> b, root -> c
     mask = tree_mask([(5, 2, anc)], 6, 11)  # a second sequence of 6 tokens at packed 5, root at its index 2
@@ -200,7 +200,7 @@ def test_tree_and_layerskip_bad_input_fails_before_any_work():
 
 
 def test_tree_shape():
-    from kvlab.drafts.tree import TreeDraft, expansion_sizes, preorder
+    from kvlab.speculation.drafts.tree import TreeDraft, expansion_sizes, preorder
 
     assert expansion_sizes(3, 4, 2) == [3, 9, 9, 9]
     assert TreeDraft(width=3, depth=4, branch_levels=2).num_tokens == 30

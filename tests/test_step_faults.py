@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.sequence import SequenceStatus
 
@@ -181,8 +181,8 @@ def test_a_fault_in_advancing_scheduling_or_sampling_leaves_the_clean_answers(st
     llm = make("snapkv", SNAP_DECODE)
     steps = Steps(llm.engine, 6)
     if stage == "sample":
-        monkeypatch.setattr(kvlab.llm_engine, "sample", kvlab.llm_engine.sample)  # the real one is put back
-        steps.wrap(kvlab.llm_engine, "sample")
+        monkeypatch.setattr(kvlab.engine.llm_engine, "sample", kvlab.engine.llm_engine.sample)  # the real one is put back
+        steps.wrap(kvlab.engine.llm_engine, "sample")
     else:  # scheduling fails after the first sequence of the batch was given its slots
         steps.wrap(llm.engine.block_manager, stage, call=2 if stage == "append" else 1)
     assert drive(llm.engine, GREEDY, ps, steps) == want

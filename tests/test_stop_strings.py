@@ -170,7 +170,7 @@ def test_speculative_runs_stop_at_the_first_token_completing_a_match(plain, monk
     """A draft equal to the target (same random weights) has every token accepted: verified runs of
     several tokens are appended per step, and the stop lands inside one of them. (The draft loads
     without the toy tokenizer: the vocabulary check, which compares tokenizers, is skipped.)"""
-    from kvlab.drafts.model import ModelDraft
+    from kvlab.speculation.drafts.model import ModelDraft
 
     monkeypatch.setattr(ModelDraft, "_check_vocabulary", lambda self, loaded, engine: None)
     _, base = plain

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.tree_verifier import ancestor_mask, tree_depths, tree_speculative_sample
-from kvlab.verifier import inverse_cdf, point_masses
+from kvlab.speculation.tree_verifier import ancestor_mask, tree_depths, tree_speculative_sample
+from kvlab.speculation.verifier import inverse_cdf, point_masses
 from test_verifier import CASES, V, chain, chi2_critical, chi_square
 
 N, START = 100_000, 0

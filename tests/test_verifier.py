@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from kvlab.verifier import acceptance_histogram, inverse_cdf, point_masses, speculative_sample
+from kvlab.speculation.verifier import acceptance_histogram, inverse_cdf, point_masses, speculative_sample
 
 V, K, N, START = 6, 3, 100_000, 0
 

@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from kvlab.loggers.local import write_report
+    from kvlab.study.loggers.local import write_report
 
     torch.set_num_threads(1)
     meta = metadata(argparse.Namespace(**vars(args), model="smollm2-135m"))

@@ -7,12 +7,12 @@ the same way (upstream's `start_ray` and `launch_job_on_ray`), then collects eac
 (`ray.wait`); a job whose task raised a Ray error (its worker died) is
 
   - recorded as failed: a `finish` line (status failed, the Ray error) appended to its run record
-    if it started one, and a row in the sweep's ledger (kvlab.sweep_report), whose end-of-sweep
+    if it started one, and a row in the sweep's ledger (kvlab.study.sweep_report), whose end-of-sweep
     summary then lists it and exits 1;
   - returned to the sweeper as a completed job whose outcome is failed (kvlab's sweep jobs never
     raise: Hydra's basic sweeper re-raises any failed JobReturn).
 
-A rerun of the same command skips the finished jobs (same config hash, kvlab.experiment) and
+A rerun of the same command skips the finished jobs (same config hash, kvlab.study.experiment) and
 runs the failed one again. Set `ray.remote.max_retries` above 0 to let Ray retry a dead worker's job
 itself instead (conf/hydra/launcher/ray_cluster.yaml keeps 0: a retried job restarts from scratch).
 """
@@ -80,7 +80,8 @@ class KvlabRayLauncher(RayLauncher or object):
 
     def record_dead_job(self, sweep_config: DictConfig, overrides: list[str], exc: BaseException) -> JobReturn:
         """A job whose Ray task failed (its worker died): failed in its run record and the sweep ledger."""
-        from kvlab.sweep_report import error_line, ledger_path
+        from kvlab.study.sweep_ledger import ledger_path
+        from kvlab.study.sweep_report import error_line
 
         error = error_line(f"Ray worker died: {type(exc).__name__}: {exc}")
         job_dir = job_output_dir(sweep_config)
@@ -103,8 +104,8 @@ def job_output_dir(sweep_config: DictConfig) -> Path:
 
 def mark_record_failed(job_dir: Path, error: str) -> None:
     """Append a failed `finish` line to the job's run record if it started one and did not finish it."""
-    from kvlab.loggers.local import RECORD
-    from kvlab.sweep_progress import has_finish
+    from kvlab.study.loggers.local import RECORD
+    from kvlab.study.sweep_progress import has_finish
 
     record = job_dir / RECORD
     if record.exists() and not has_finish(record):

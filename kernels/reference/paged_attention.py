@@ -4,7 +4,7 @@ PagedAttention (Kwon et al., arXiv:2309.06180): keys and values live in fixed-si
 blocks of a shared pool, read through a per-sequence block table.
 
 The batch layout (which cache indices each query sees, released pages, sliding
-window, tree mask) is described by `kvlab.attention_plan.AttentionPlan`, planned
+window, tree mask) is described by `kvlab.kernels.attention_plan.AttentionPlan`, planned
 once per step by the engine; this backend derives its padded index tensors from
 the plan on first use and keeps them in a private memo, so all layers share them:
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention_plan import NULL_BLOCK, AttentionPlan, memo, plan_paged_attention
+from kvlab.kernels.attention_plan import NULL_BLOCK, AttentionPlan, memo, plan_paged_attention
 from kvlab.kernels.reference.store_kv import dequantize_ref, read_blocks
 
 __all__ = ["AttentionPlan", "plan_paged_attention", "plan_parts", "run_paged_attention", "paged_attention_ref"]

@@ -45,7 +45,7 @@ def read_blocks(cache, blocks: torch.Tensor, scale: torch.Tensor | None, dtype: 
     """Pages `blocks` [...] int64 of a pool, dequantised -> [..., block_size, Hkv, D] in `dtype`.
 
     `cache` is a pool tensor [num_blocks, block_size, Hkv, D] (element-wise formats, per-head
-    `scale`) or a packed format's kvlab.quant.page_store.PageStore (its own scales and zero points)."""
+    `scale`) or a packed format's kvlab.cache.quant.page_store.PageStore (its own scales and zero points)."""
     if isinstance(cache, torch.Tensor):
         return dequantize_ref(cache[blocks], scale, dtype)
     return cache.read_pages(blocks.reshape(-1), dtype).view(*blocks.shape, *cache.shape[1:])

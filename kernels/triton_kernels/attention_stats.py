@@ -55,7 +55,7 @@ def attention_stats_kernel(
     K_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codec layout (kvlab.quant PageCodec.layout)
+    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codec layout (kvlab.cache.quant PageCodec.layout)
     K_KIND: tl.constexpr = 0,
     K_BITS: tl.constexpr = 8,
     K_GROUP: tl.constexpr = 1,

@@ -63,9 +63,9 @@ def decode(x, scale, CODEC: tl.constexpr, out_dtype: tl.constexpr):
         return x.to(out_dtype)
 
 
-# Packed formats (kvlab.quant: int8, int4, int2, fp8 per token) are read through `load_packed`: the launcher passes
-# the page parts of a kvlab.quant.page_store.PageStore (all contiguous, so strides follow from the
-# shapes) and the codec's layout (kvlab.quant.base.PageCodec.layout):
+# Packed formats (kvlab.cache.quant: int8, int4, int2, fp8 per token) are read through `load_packed`: the launcher passes
+# the page parts of a kvlab.cache.quant.page_store.PageStore (all contiguous, so strides follow from the
+# shapes) and the codec's layout (kvlab.cache.quant.base.PageCodec.layout):
 #   KIND 0  int8 codes [pages, PAGE, Hkv, D], scale [pages, PAGE, Hkv] (symmetric, per token per head)
 #   KIND 1  codes [pages, PAGE, Hkv, D * BITS / 8], scale / zero [pages, PAGE / GROUP, Hkv, D]
 #           (asymmetric, per channel over GROUP tokens: KIVI keys)
@@ -73,7 +73,7 @@ def decode(x, scale, CODEC: tl.constexpr, out_dtype: tl.constexpr):
 #   KIND 3  fp8 codes [pages, PAGE, Hkv, D], scale [pages, PAGE, Hkv] (per token per head: fp8 scaling="token")
 # With HAS_RES, a page whose residual row (row_of[page]) is >= 0 is read from its full-precision row
 # instead: element e = (pos * Hkv + h) * D + d of row r is res[lease[r, e // RES_CHUNK] * RES_CHUNK +
-# e % RES_CHUNK] (kvlab.quant.page_store: RES_K chunks per row; an area of its own has RES_K = 1,
+# e % RES_CHUNK] (kvlab.cache.quant.page_store: RES_K chunks per row; an area of its own has RES_K = 1,
 # lease[r] = r; rows leased from the pool live in RES_K pages' codes, `res` viewing them in the row dtype).
 PACKED = tl.constexpr(2)
 

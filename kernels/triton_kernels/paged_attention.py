@@ -119,7 +119,7 @@ def paged_attention_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dtype of the tl.dot operands (the query dtype on GPUs)
     DOT_PRECISION: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codecs: layout constants (kvlab.quant PageCodec.layout)
+    NUM_KV_HEADS: tl.constexpr = 1,  # PACKED codecs: layout constants (kvlab.cache.quant PageCodec.layout)
     K_KIND: tl.constexpr = 0,
     K_BITS: tl.constexpr = 8,
     K_GROUP: tl.constexpr = 1,

@@ -12,7 +12,7 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from kvlab.conf_plugins import register_plugin_configs
+    from kvlab.study.conf_plugins import register_plugin_configs
 
     register_plugin_configs()
 
@@ -33,6 +33,6 @@ def tiny_llm():
 
 @pytest.fixture
 def ctx():
-    from kvlab.tasks.base import RunContext
+    from kvlab.study.tasks.base import RunContext
 
     return RunContext(data_dir=DATA, seed=0, progress=False)

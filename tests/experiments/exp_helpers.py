@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-from kvlab.conf_plugins import CONF_DIR  # noqa: E402
-from kvlab.tasks.data import default_data_dir  # noqa: E402
+from kvlab.study.conf_plugins import CONF_DIR  # noqa: E402
+from kvlab.study.tasks.data import default_data_dir  # noqa: E402
 
 DATA = default_data_dir()
 REPO = CONF_DIR.parent

@@ -1,4 +1,4 @@
-"""kvlab.analysis: flattening, filtering and the standard plots on a synthetic table of runs."""
+"""kvlab.study.analysis: flattening, filtering and the standard plots on a synthetic table of runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from kvlab.analysis import flatten, load_runs, plot_quality_vs_budget, plot_throughput_vs_batch, plot_waste_breakdown  # noqa: E402
+from kvlab.study.analysis import flatten, load_runs, plot_quality_vs_budget, plot_throughput_vs_batch, plot_waste_breakdown  # noqa: E402
 
 
 def synthetic_runs() -> pd.DataFrame:
@@ -55,7 +55,7 @@ def test_load_runs_rejects_what_it_cannot_read(tmp_path):
 
 
 def test_load_runs_reads_the_local_records_of_a_sweep_folder(tmp_path):
-    from kvlab.loggers import LocalLogger
+    from kvlab.study.loggers import LocalLogger
 
     for job, status in (("block_size=8", "finished"), ("block_size=16", "failed")):
         log = LocalLogger()

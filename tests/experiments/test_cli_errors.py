@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvlab.llm_engine
+import kvlab.engine.llm_engine
 import kvlab.models
 from kvlab.__main__ import main
-from kvlab.experiment import read_record
+from kvlab.study.experiment import read_record
 
 TINY = ["model=random-llama-tiny", "logger=none", "workload=none", "task=none", "progress=false"]
 
@@ -30,7 +30,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         pytest.fail("a model was loaded before the config error was reported")
 
-    monkeypatch.setattr(kvlab.llm_engine, "load_model", refuse)
+    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", refuse)
     monkeypatch.setattr(kvlab.models, "load_model", refuse)
 
 

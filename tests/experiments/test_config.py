@@ -11,9 +11,9 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from kvlab.config import ConfigError, check_target, engine_path, to_config_value, validate
+from kvlab.study.config import ConfigError, check_target, engine_path, to_config_value, validate
 from kvlab.engine_config import EngineConfig
-from kvlab.experiment import llm_kwargs
+from kvlab.study.experiment import llm_kwargs
 from kvlab.registry import REGISTRIES
 from kvlab.schema import fields_of as plugin_fields
 
@@ -31,7 +31,7 @@ def group_options(group: str) -> list[str]:
 
 
 def all_options():
-    from kvlab.conf_plugins import register_plugin_configs
+    from kvlab.study.conf_plugins import register_plugin_configs
 
     register_plugin_configs()
     return [(g, o) for g in GROUPS for o in group_options(g)]
@@ -285,7 +285,7 @@ def test_validation_fills_plugin_defaults(compose):
 
 
 def test_config_error_comes_before_any_model_load(compose, tmp_path, monkeypatch):
-    import kvlab.experiment as experiment
+    import kvlab.study.experiment as experiment
 
     monkeypatch.setattr(experiment, "build_llm", lambda kwargs: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match="engine.block_size"):
@@ -297,7 +297,7 @@ def test_config_error_comes_before_any_model_load(compose, tmp_path, monkeypatch
 def test_check_target_disabled_section():
     assert check_target("task", {"_target_": None}) is None
     with pytest.raises(ConfigError, match=r"^task\._target_: cannot import"):
-        check_target("task", {"_target_": "kvlab.tasks.nope.Nope"})
+        check_target("task", {"_target_": "kvlab.study.tasks.nope.Nope"})
 
 
 def test_cli_unknown_option_and_default_compose(tmp_path):

@@ -7,12 +7,12 @@ import math
 import pytest
 from exp_helpers import DATA, needs_data
 
-from kvlab.tasks.agreement import Agreement
-from kvlab.tasks.data import ByteTokenizer, MissingDataError, data_path, default_data_dir, evenly_spaced_windows
-from kvlab.tasks.niah import NeedleInAHaystack, build_prompt
-from kvlab.tasks.perplexity import Perplexity
-from kvlab.workloads.azure import AzureReplay, load_azure_trace
-from kvlab.workloads.synthetic import MultiTurn, SharedPrefix
+from kvlab.study.tasks.agreement import Agreement
+from kvlab.study.tasks.data import ByteTokenizer, MissingDataError, data_path, default_data_dir, evenly_spaced_windows
+from kvlab.study.tasks.niah import NeedleInAHaystack, build_prompt
+from kvlab.study.tasks.perplexity import Perplexity
+from kvlab.study.workloads.azure import AzureReplay, load_azure_trace
+from kvlab.study.workloads.synthetic import MultiTurn, SharedPrefix
 
 BYTES = ByteTokenizer(256)
 
@@ -31,14 +31,14 @@ def test_missing_data_names_path_and_how_to_get_it(tmp_path):
 
 
 def test_missing_data_fails_the_task_clearly(tiny_llm, tmp_path):
-    from kvlab.tasks.base import RunContext
+    from kvlab.study.tasks.base import RunContext
 
     with pytest.raises(MissingDataError, match="paul-graham-essays"):
         NeedleInAHaystack(context_lengths=[128]).run(tiny_llm, RunContext(data_dir=tmp_path))
 
 
 def test_hub_source_offline_says_so(monkeypatch):
-    from kvlab.tasks.data import load_text
+    from kvlab.study.tasks.data import load_text
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(MissingDataError, match="hub:wikitext.*need a network"):
@@ -75,7 +75,7 @@ def test_load_azure_trace_scales_and_clips():
 def test_niah_prompt_has_exact_length_and_the_needle_at_depth(variant, depth):
     import random
 
-    from kvlab.tasks.data import corpus_tokens
+    from kvlab.study.tasks.data import corpus_tokens
 
     hay = corpus_tokens("paul-graham-essays", DATA, BYTES)
     ids, answer = build_prompt(variant, 600, depth, 4, BYTES, hay, random.Random(0))
@@ -104,7 +104,7 @@ def test_task_parameters_are_checked():
 def greedy_match_by_hand(reference, test, prompt_length: int, num_prompts: int, max_new: int) -> list[float]:
     """Per prompt: the share of positions where the two LLMs' free-running greedy outputs agree."""
     from kvlab import SamplingParams
-    from kvlab.tasks.data import corpus_tokens
+    from kvlab.study.tasks.data import corpus_tokens
 
     prompts = evenly_spaced_windows(corpus_tokens("wikitext-2-raw/wiki.test.raw", DATA, BYTES), prompt_length,
                                     num_prompts)
@@ -189,7 +189,7 @@ def test_perplexity_matches_hugging_face_on_the_same_windows(tiny_llm, ctx, load
     """Perplexity recomputed with a plain Hugging Face forward over each whole window (same weights: seed 0)."""
     import torch
 
-    from kvlab.tasks.data import corpus_tokens
+    from kvlab.study.tasks.data import corpus_tokens
 
     result = Perplexity(context_lengths=[32, 64], continuation_length=16, num_windows=3, batch_size=2).run(tiny_llm, ctx)
     table = result.tables["perplexity"]
@@ -233,7 +233,7 @@ def test_niah_reports_accuracy_per_cell(tiny_llm, ctx):
 def test_niah_scores_an_easy_setting_high_and_a_corrupted_one_low(ctx, monkeypatch):
     """SmolLM2 finds a 7-digit needle in 192 tokens (6/6 measured); asked for a value that is not in the
     haystack (the needle swapped for another number), it cannot."""
-    import kvlab.tasks.niah as niah
+    import kvlab.study.tasks.niah as niah
     from kvlab import LLM
 
     llm = LLM("smollm2-135m", kv_cache_memory="32MiB")

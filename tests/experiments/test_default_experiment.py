@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from exp_helpers import kvlab_cmd, needs_data, run_env
 
-from kvlab.analysis import load_runs
+from kvlab.study.analysis import load_runs
 
 
 @pytest.mark.heavy
@@ -39,8 +39,8 @@ def test_niah_on_smollm2_finds_some_needles(tmp_path):
     from exp_helpers import DATA
 
     from kvlab import LLM
-    from kvlab.tasks.base import RunContext
-    from kvlab.tasks.niah import NeedleInAHaystack
+    from kvlab.study.tasks.base import RunContext
+    from kvlab.study.tasks.niah import NeedleInAHaystack
 
     task = NeedleInAHaystack(context_lengths=[256], depths=[0.0, 0.5, 1.0])
     direct = task.run(LLM("smollm2-135m"), RunContext(data_dir=DATA, seed=0, progress=False)).metrics

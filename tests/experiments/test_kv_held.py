@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 from kvlab import LLM, SamplingParams
-from kvlab.analysis import COSTS, leaderboard
-from kvlab.block_manager import LayerGroup
+from kvlab.study.analysis import COSTS, leaderboard
+from kvlab.cache.block_manager import LayerGroup
 from kvlab.metrics import tokens_per_page
 
 BLOCK, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 16  # random:llama-tiny's shape

@@ -10,8 +10,8 @@ import sys
 import pytest
 from exp_helpers import kvlab_cmd, needs_data, run_env
 
-from kvlab.analysis import load_runs
-from kvlab.sweep_report import read_ledger
+from kvlab.study.analysis import load_runs
+from kvlab.study.sweep_ledger import read_ledger
 
 TINY = ["model=random-llama-tiny", "task=agreement", "workload=none", "task.num_prompts=2",
         "task.prompt_length=32", "task.max_new_tokens=4", "engine.kv_cache_memory=2MiB", "progress=false",

@@ -7,7 +7,7 @@ import subprocess
 
 from exp_helpers import kvlab_cmd, needs_data, run_env
 
-from kvlab.analysis import leaderboard, load_runs
+from kvlab.study.analysis import leaderboard, load_runs
 
 
 @needs_data("wikitext-2-raw")

@@ -1,4 +1,4 @@
-"""Local records (read back by kvlab.analysis), W&B offline runs and their fallbacks."""
+"""Local records (read back by kvlab.study.analysis), W&B offline runs and their fallbacks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import warnings
 import pandas as pd
 import pytest
 
-from kvlab.analysis import load_runs
-from kvlab.experiment import read_record
-from kvlab.loggers import LocalLogger, Loggers, RunLogger
-from kvlab.loggers.wandb_run import WandbLogger
+from kvlab.study.analysis import load_runs
+from kvlab.study.experiment import read_record
+from kvlab.study.loggers import LocalLogger, Loggers, RunLogger
+from kvlab.study.loggers.wandb_run import WandbLogger
 
 CONFIG = {"name": "t", "seed": 3, "engine": {"block_size": 8, "allocator": "paged"}, "policy": {"name": "full"}}
 META = {"config_hash": "abc", "git_commit": "deadbeef", "versions": {"torch": "x"}}
@@ -50,7 +50,7 @@ def test_local_record_round_trip(tmp_path):
 
 def test_offline_wandb_files_are_not_parsed_by_hand(tmp_path):
     """W&B's own files are read through the W&B API only; local analysis reads the local records
-    that every kvlab run writes (kvlab.experiment always adds a LocalLogger)."""
+    that every kvlab run writes (kvlab.study.experiment always adds a LocalLogger)."""
     log_one_run(WandbLogger(mode="offline", project="kvlab-test"), tmp_path / "run")
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert load_runs(tmp_path).empty

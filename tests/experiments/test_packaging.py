@@ -30,7 +30,7 @@ def test_installed_package_ships_its_configs(tmp_path):
             assert (target / installed / sub / "__init__.py").is_file(), f"{root}/{sub} is not in pyproject's packages"
 
     env = run_env(PYTHONPATH=str(target))  # the installed copy first, not the checkout
-    where = subprocess.run([sys.executable, "-c", "import kvlab.conf_plugins as c; print(c.CONF_DIR)"],
+    where = subprocess.run([sys.executable, "-c", "import kvlab.study.conf_plugins as c; print(c.CONF_DIR)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip() == str(target / "kvlab" / "conf"), where.stderr
     out = subprocess.run(kvlab_cmd("--cfg", "job", "engine=contiguous"), cwd=elsewhere, env=env,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from exp_helpers import CONF_DIR
 
-from kvlab.config import validate
+from kvlab.study.config import validate
 from kvlab.engine_config import EngineConfig
-from kvlab.experiment import llm_kwargs
+from kvlab.study.experiment import llm_kwargs
 from kvlab.models import RANDOM_SHAPES
 from kvlab.registry import ALLOCATORS, QUANT_FORMATS
 
@@ -20,7 +20,7 @@ def quant_options() -> list[str]:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from kvlab.conf_plugins import register_plugin_configs
+    from kvlab.study.conf_plugins import register_plugin_configs
 
     register_plugin_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

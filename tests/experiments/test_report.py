@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from exp_helpers import DATA, kvlab_cmd, run_env
 
-from kvlab.analysis import leaderboard, load_runs, markdown_table, pareto_front
+from kvlab.study.analysis import leaderboard, load_runs, markdown_table, pareto_front
 
 # 3 jobs, seconds each: full and two compressing policies at ratio 0.5 on prompts long enough to evict,
 # with a shared-prefix workload so the KV-bytes / tokens / tokens/s / TTFT / bytes-freed columns are measured
@@ -81,7 +81,7 @@ def test_leaderboard_has_kvpress_columns_and_the_costs(sweep):
 
 
 def test_kvlab_report_writes_table_plots_and_a_self_contained_page(sweep, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "kvlab.study.report", str(sweep), "--out", str(tmp_path)],
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     board = pd.read_csv(tmp_path / "leaderboard.csv")
@@ -109,10 +109,10 @@ def test_kvlab_report_writes_table_plots_and_a_self_contained_page(sweep, tmp_pa
 
 
 def test_kvlab_report_refuses_a_folder_without_runs_and_an_unknown_quality(sweep, tmp_path):
-    empty = subprocess.run([sys.executable, "-m", "kvlab.report", str(tmp_path)], env=run_env(),
+    empty = subprocess.run([sys.executable, "-m", "kvlab.study.report", str(tmp_path)], env=run_env(),
                            capture_output=True, text=True, timeout=120)
     assert empty.returncode != 0 and f"no finished run under {tmp_path}" in empty.stderr
-    bad = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path),
+    bad = subprocess.run([sys.executable, "-m", "kvlab.study.report", str(sweep), "--out", str(tmp_path),
                           "--quality", "accuracy"], env=run_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--quality 'accuracy' is not a leaderboard column" in bad.stderr
     assert "greedy match" in bad.stderr
@@ -146,7 +146,7 @@ def test_markdown_table_formats_and_escapes():
 def test_kvlab_report_logs_a_wandb_table(sweep, tmp_path):
     import json
 
-    out = subprocess.run([sys.executable, "-m", "kvlab.report", str(sweep), "--out", str(tmp_path), "--wandb", "on"],
+    out = subprocess.run([sys.executable, "-m", "kvlab.study.report", str(sweep), "--out", str(tmp_path), "--wandb", "on"],
                          env=run_env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "logged the leaderboard to W&B (offline)" in out.stdout
@@ -158,9 +158,9 @@ def test_kvlab_report_logs_a_wandb_table(sweep, tmp_path):
 
 
 def test_wandb_is_on_when_the_sweeps_runs_logged_to_it():
-    from kvlab.report import wandb_target
+    from kvlab.study.report import wandb_target
 
-    logged = pd.DataFrame({"logger._target_": ["kvlab.loggers.wandb_run.WandbLogger"], "logger.project": ["p"],
+    logged = pd.DataFrame({"logger._target_": ["kvlab.study.loggers.wandb_run.WandbLogger"], "logger.project": ["p"],
                            "logger.entity": [None], "logger.group": ["smoke"], "logger.mode": ["offline"]})
     assert wandb_target(logged) == {"project": "p", "entity": None, "group": "smoke", "mode": "offline"}
     assert wandb_target(logged.assign(**{"logger.mode": "disabled"})) is None
@@ -171,8 +171,8 @@ def test_a_study_of_one_sweep_per_task_merges_into_one_row_per_policy_and_ratio(
     """experiments/leaderboard.sh runs one sweep per task into one folder; the report puts each task's columns
     side by side for a (method, ratio), plots each score against the costs, and refuses to merge cells that
     two datasets measured twice."""
-    from kvlab.analysis import merge_tasks
-    from kvlab.report import write_report
+    from kvlab.study.analysis import merge_tasks
+    from kvlab.study.report import write_report
 
     cells = [("agreement (wikitext-2-raw)", "greedy match", 0.5), ("perplexity (wikitext-2-raw)", "perplexity", 20.0),
              ("ruler", "RULER score", 0.25), ("none", "KV MiB held (mean)", 90.0), ("none", "tokens/s", 5.0)]

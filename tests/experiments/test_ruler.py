@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvlab.tasks.ruler import Ruler, postprocess, score
+from kvlab.study.tasks.ruler import Ruler, postprocess, score
 
 try:
     import long_context_eval  # noqa: F401
@@ -107,7 +107,7 @@ def test_samples_fit_their_length_and_hold_their_answers(tokenizer, cache_dir):
 @needs_ruler
 @pytest.mark.model
 def test_samples_are_cached_and_follow_the_seed(tokenizer, cache_dir, monkeypatch):
-    import kvlab.tasks.ruler_data as ruler_data
+    import kvlab.study.tasks.ruler_data as ruler_data
 
     task = Ruler(subtasks=["niah_single_1", "vt"], lengths=[512], num_samples=2, max_new_tokens=16,
                  cache_dir=str(cache_dir))
@@ -128,7 +128,7 @@ def test_vt_samples_do_not_depend_on_the_global_random_state(tokenizer):
 
     import numpy as np
 
-    from kvlab.tasks.ruler_data import Generators
+    from kvlab.study.tasks.ruler_data import Generators
 
     def draw(state: int):
         random.seed(state)
@@ -150,7 +150,7 @@ def test_a_variable_name_collision_is_drawn_again(tokenizer, monkeypatch):
         return list("ABC") if len(calls) <= 2 else real(population, k=k, **kw)
 
     monkeypatch.setattr(random, "choices", collide)
-    from kvlab.tasks.ruler_data import Generators
+    from kvlab.study.tasks.ruler_data import Generators
 
     rows = Generators(tokenizer).samples("vt", 512, 1, 16, seed=0)
     assert rows and set(rows[0]["outputs"]) == vt_answer(rows[0]["input"])

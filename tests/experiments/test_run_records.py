@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.analysis import load_runs
-from kvlab.experiment import RecordError, find_finished, read_record
-from kvlab.loggers import LocalLogger
-from kvlab.report import cli
+from kvlab.study.analysis import load_runs
+from kvlab.study.experiment import RecordError, find_finished, read_record
+from kvlab.study.loggers import LocalLogger
+from kvlab.study.report import cli
 
-CONFIG = {"model": {"name": "m"}, "policy": {"name": "full"}, "task": {"_target_": "kvlab.tasks.agreement.Agreement"}}
+CONFIG = {"model": {"name": "m"}, "policy": {"name": "full"}, "task": {"_target_": "kvlab.study.tasks.agreement.Agreement"}}
 
 
 def write_run(folder: Path, metrics: dict | None = None) -> Path:

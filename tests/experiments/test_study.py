@@ -1,4 +1,4 @@
-"""Searches with hydra-optuna-sweeper: the study objectives (kvlab.study), an objective no task produces
+"""Searches with hydra-optuna-sweeper: the study objectives (kvlab.study.study), an objective no task produces
 refused before any job starts, and the budget search / multi-objective study end to end on a tiny model."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import yaml
 from exp_helpers import kvlab_cmd, needs_data, run_env
 
-from kvlab.analysis import largest_ratio_kept, load_runs
-from kvlab.study import RATIO_KEPT, Outcome, Study, check_objectives
+from kvlab.study.analysis import largest_ratio_kept, load_runs
+from kvlab.study.study import RATIO_KEPT, Outcome, Study, check_objectives
 
 TINY = ["model=random-llama-tiny", "task.num_prompts=2", "task.prompt_length=96", "task.max_new_tokens=4",
         "engine.kv_cache_memory=2MiB", "logger=none", "progress=false"]
@@ -54,13 +54,13 @@ def test_study_values_and_outcome():
 
 
 def test_check_objectives_knows_what_each_task_produces():
-    agreement = {"_target_": "kvlab.tasks.agreement.Agreement"}
-    replay = {"_target_": "kvlab.workloads.synthetic.SharedPrefix"}
-    ppl = {"_target_": "kvlab.tasks.perplexity.Perplexity"}
+    agreement = {"_target_": "kvlab.study.tasks.agreement.Agreement"}
+    replay = {"_target_": "kvlab.study.workloads.synthetic.SharedPrefix"}
+    ppl = {"_target_": "kvlab.study.tasks.perplexity.Perplexity"}
     check_objectives({"task": agreement, "workload": replay,
                       "study": {"objectives": ["agreement/top1_match", "workload/kv_bytes_mean", "run/elapsed_s"]}})
     check_objectives({"task": ppl, "workload": None, "study": {"objectives": ["perplexity/ppl@512"]}})
-    with pytest.raises(ValueError, match="'ruler/score' is not a metric of task kvlab.tasks.agreement.Agreement"):
+    with pytest.raises(ValueError, match="'ruler/score' is not a metric of task kvlab.study.tasks.agreement.Agreement"):
         check_objectives({"task": agreement, "workload": replay, "study": {"objectives": ["ruler/score"]}})
     with pytest.raises(ValueError, match="'workload/tokens_per_s' is not a metric"):
         check_objectives({"task": agreement, "workload": None, "study": {"objectives": ["workload/tokens_per_s"]}})
@@ -73,7 +73,7 @@ def test_replay_metrics_cover_what_the_engine_reports(tiny_llm):
     import fnmatch
 
     from kvlab import LLM
-    from kvlab.workloads.replay import Request, replay, replay_metrics
+    from kvlab.study.workloads.replay import Request, replay, replay_metrics
 
     snap = LLM(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0, policy="snapkv",
                policy_args={"budget": 16})

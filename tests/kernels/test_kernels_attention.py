@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvlab.kernels import ops  # noqa: E402
 from kvlab.kernels.paged_attention import attention_stats, paged_attention  # noqa: E402
 from kvlab.kernels.reference.attention_stats import attention_stats_ref  # noqa: E402
-from kvlab.attention_plan import _memos  # noqa: E402
+from kvlab.kernels.attention_plan import _memos  # noqa: E402
 from kvlab.kernels.reference.paged_attention import paged_attention_ref, plan_paged_attention  # noqa: E402
 from kvlab.kernels.testing import CACHE_DTYPES, attention_tolerance, make_paged_batch  # noqa: E402
 

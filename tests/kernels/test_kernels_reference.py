@@ -9,7 +9,7 @@ import torch
 
 from kvlab.kernels.reference.attention_stats import attention_stats_ref
 from kvlab.kernels.reference.block_ops import compact_slots_ref, copy_blocks_ref
-from kvlab.attention_plan import _memos
+from kvlab.kernels.attention_plan import _memos
 from kvlab.kernels.reference.paged_attention import paged_attention_ref, plan_parts, plan_paged_attention
 from kvlab.kernels.reference.store_kv import dequantize_ref, store_kv_ref
 from kvlab.kernels.testing import CACHE_DTYPES, make_paged_batch, random_pool

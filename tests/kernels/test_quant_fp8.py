@@ -4,11 +4,11 @@ and the Triton kernels reading per-token pages as the torch reference does."""
 import pytest
 import torch
 
-from kvlab.block_manager import LayerGroup
+from kvlab.cache.block_manager import LayerGroup
 from kvlab.kernels.reference.paged_attention import paged_attention_ref
 from kvlab.kernels.reference.store_kv import dequantize_ref, store_kv_ref
-from kvlab.kv_cache import KVCache
-from kvlab.quant.fp8 import FP8TokenCodec
+from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.quant.fp8 import FP8TokenCodec
 from kvlab.registry import QUANT_FORMATS, build
 
 DTYPES = [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]

@@ -4,11 +4,11 @@ the residual area, copy-on-write, compaction, and the attention backends reading
 import pytest
 import torch
 
-from kvlab.attention import leaving_window
-from kvlab.block_manager import LayerGroup
+from kvlab.engine.attention import leaving_window
+from kvlab.cache.block_manager import LayerGroup
 from kvlab.kernels.reference.paged_attention import paged_attention_ref
-from kvlab.kv_cache import KVCache, bytes_per_block
-from kvlab.quant.packing import pack, unpack
+from kvlab.cache.kv_cache import KVCache, bytes_per_block
+from kvlab.cache.quant.packing import pack, unpack
 from kvlab.registry import QUANT_FORMATS, build
 
 HKV, D, BS = 2, 64, 32
@@ -20,7 +20,7 @@ def make_cache(quant, num_blocks=8, residual_rows=None, block_size=BS, head_dim=
 
 
 class ListLessor:
-    """Leases pages from a fixed list (never a table's), scattered: the engine's is kvlab.quant.lease."""
+    """Leases pages from a fixed list (never a table's), scattered: the engine's is kvlab.cache.quant.lease."""
 
     def __init__(self, pages, held=()):
         self.free, self.leases, self.held_pages, self._n = list(pages), {}, set(held), 0

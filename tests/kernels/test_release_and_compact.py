@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kvlab.attention_plan import plan_paged_attention  # noqa: E402
-from kvlab.block_manager import BlockManager, LayerGroup  # noqa: E402
+from kvlab.kernels.attention_plan import plan_paged_attention  # noqa: E402
+from kvlab.cache.block_manager import BlockManager, LayerGroup  # noqa: E402
 from kvlab.kernels import ops  # noqa: E402
 from kvlab.kernels.testing import attention_tolerance  # noqa: E402
 from kvlab.registry import ALLOCATORS  # noqa: E402

@@ -1,0 +1,422 @@
+"""Where every sequence's KV lives: one shared page pool, one block table per (sequence, layer group). Torch-free.
+
+Layers are split into groups of equal layer count that attend alike (all full attention, or all the
+same sliding window). A page holds `block_size` tokens of K and V for every layer of the group that
+owns it, so all pages have one size and any group can draw any free page from the one pool (vLLM's
+hybrid KV-cache manager): pages freed by one group (sliding out of a window, evicted by a policy)
+serve any other. A Llama is one group of all its layers; Gemma 3 (5 sliding : 1 full, 18 layers)
+is six groups of 3 layers, five sliding and one full. Per-layer budgets are groups of one layer.
+
+A sequence has a logical length (its tokens; RoPE positions, owned by the scheduler) and, per
+group, a number of cached slots with the table that maps them to pages. The two agree until a
+policy compacts a group (fewer slots than tokens) or speculation appends tentative slots (more).
+
+This is the only door into the pages: the runner asks it for tables, lengths and slot mappings; the
+scheduler for admission and growth; policies for release and compaction; speculation for rollback.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from kvlab.cache.allocators.base import NULL_BLOCK, Allocator
+from kvlab.cache.prefix_cache import Node, PrefixCache, request_salt
+from kvlab.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvlab.cache.quant.lease import RowClaims
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    layers: tuple[int, ...]
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys only
+    head: int | None = None  # the one KV head this group's pages hold (per-head budgets); None: every KV head
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else f"window{self.sliding_window}"
+
+
+def equal_groups(layer_windows: list[int | None], size: int | None = None,
+                 num_heads: int | None = None) -> list[LayerGroup]:
+    """Split layers (window of each, None = full attention) into groups of one kind and equal size.
+
+    The size is the gcd of the kinds' layer counts unless given (1: a table per layer, for per-layer
+    eviction), so every page has the same size; layers of a kind go to groups in order (Gemma 3's
+    15 sliding + 3 full layers: groups of 3). `num_heads`: a group per (layer, KV head), whose pages
+    hold that head only (per-head budgets: each head keeps its own number of tokens)."""
+    if num_heads is not None:
+        return [LayerGroup((layer,), window, head) for layer, window in enumerate(layer_windows)
+                for head in range(num_heads)]
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = size or math.gcd(*(len(layers) for layers in kinds.values()))
+    groups = [LayerGroup(tuple(layers[i:i + size]), window)
+              for window, layers in kinds.items() for i in range(0, len(layers), size)]
+    return sorted(groups, key=lambda g: g.layers[0])
+
+
+class BlockManager:
+    def __init__(self, groups: list[LayerGroup], allocator: Allocator, num_blocks: int, block_size: int,
+                 max_model_len: int, max_chunk: int | None = None, prefix_cache: PrefixCache | None = None,
+                 prefix_match: str = "page", kept_tokens: Callable[[int, int], int] | None = None):
+        sizes = {len(g.layers) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"layer groups must have equal layer counts to share pages, got {sorted(sizes)}")
+        self.groups = groups
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.max_chunk = max_chunk or max_model_len  # most tokens a sequence computes in one step
+        # (group, prompt tokens) -> tokens the group keeps of the prompt when a policy compresses it after
+        # every chunk (None: nothing is compressed before the prompt is in; admission counts every token)
+        self.kept_tokens = kept_tokens
+        self.allocator = allocator
+        allocator.setup(num_blocks, block_size, max_model_len)
+        self.full_groups = [g for g, group in enumerate(groups) if group.sliding_window is None]
+        self.num_cow_copies = 0
+        self.prefix_cache = prefix_cache
+        if prefix_match not in ("page", "token"):
+            raise ValueError(f"prefix_match must be 'page' or 'token', got {prefix_match!r}")
+        self.prefix_match = prefix_match
+        if prefix_cache is not None:
+            if not hasattr(allocator, "allocate_cached"):
+                raise ValueError(f"prefix caching needs an allocator that shares cached pages (paged); "
+                                 f"{getattr(type(allocator), 'registry_name', type(allocator).__name__)} "
+                                 f"does not support it yet")
+            allocator.prefix_cache = prefix_cache
+        self._match: tuple[int, int, list[Node]] | None = None  # (seq id, hit tokens, nodes) of the last lookup
+        # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
+        self.recompute_tail = 0
+        # a quantised format with a residual window: (page, no sequence holds it) -> whether a hit may
+        # share the page (not while it is open in another sequence's window); None: every cached page
+        self.shareable: Callable[[int, bool], bool] | None = None
+        self._hits: dict[int, tuple[int, set]] = {}  # seq id -> (hit tokens, {(group, page)} taken from the cache)
+        # called after a sequence's tables are freed (the cache gives back residual rows leased for its open pages)
+        self.on_free: Callable[[], None] | None = None
+        self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
+        # a packed format's residual rows leased from free pages (kvlab.cache.quant.lease.RowClaims; None: no rows):
+        # the rows this step's writes will lease, claimed as the step is scheduled, stay free
+        self.rows: RowClaims | None = None
+        self._claimed_rows = 0
+
+    # -- tables ----------------------------------------------------------------
+    def key(self, seq: Sequence | int, group: int) -> int:
+        """The allocator's id of one (sequence, group) table."""
+        seq_id = seq if isinstance(seq, int) else seq.seq_id
+        return seq_id * len(self.groups) + group
+
+    def _keys(self, seq: Sequence) -> list[int]:
+        return [self.key(seq, g) for g in range(len(self.groups))]
+
+    def _footprint(self, group: LayerGroup, num_tokens: int) -> int:
+        """Tokens a group holds for a sequence of `num_tokens`: a window group never more than its
+        window plus one step's chunk (its older pages are released)."""
+        if group.sliding_window is None:
+            return num_tokens
+        return min(num_tokens, group.sliding_window + self.max_chunk + self.block_size)
+
+    def _admission(self, g: int, seq: Sequence) -> int:
+        """Tokens group `g` must find room for to admit `seq`: its footprint; with a policy compressing
+        after every chunk, the most it holds before its prompt is in (what it keeps of the prompt,
+        the tokens after the prompt that a recompute brings, one more chunk), if that is less."""
+        group, n = self.groups[g], seq.num_tokens
+        footprint = self._footprint(group, n)
+        if self.kept_tokens is None or group.sliding_window is not None:
+            return footprint
+        prompt = min(seq.num_prompt_tokens, n)
+        return min(footprint, self.kept_tokens(g, prompt) + (n - prompt) + self.max_chunk)
+
+    # -- sizing ----------------------------------------------------------------
+    def capacity_error(self, seq: Sequence) -> str | None:
+        """Why `seq` could never run alone in this pool, or None."""
+        a = self.allocator
+        need = sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
+                                    self._footprint(g, seq.max_len))) for g in self.groups)
+        if need <= a.usable_blocks:
+            return None
+        reserved = a.reservation(seq.num_tokens, seq.max_len)
+        if reserved > seq.max_len:
+            what = (f"the {getattr(type(a), 'registry_name', type(a).__name__)} allocator reserves "
+                    f"max_model_len = {reserved} tokens for every request")
+            fix = "raise kv_cache_memory or lower max_model_len"
+        elif seq.is_scoring:
+            what = f"{seq.score_from} context + {seq.num_tokens - seq.score_from} continuation tokens"
+            fix = "raise kv_cache_memory or shorten the context"
+        else:
+            what = f"{seq.num_prompt_tokens} prompt + {seq.max_len - seq.num_prompt_tokens} new"
+            fix = "raise kv_cache_memory or lower max_tokens / max_model_len"
+        if len(self.groups) > 1:
+            what += f", in {len(self.groups)} layer groups"
+        reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
+        return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
+                f"{a.usable_blocks}{reserve}; {fix}")
+
+    # -- prefix caching ----------------------------------------------------------
+    def _salt(self, seq: Sequence) -> bytes:
+        return request_salt(seq.params.cache_salt)
+
+    def _lookup(self, seq: Sequence) -> tuple[int, list[Node]]:
+        """Tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
+        past a scoring request's context end) and the nodes of their blocks; remembered for `allocate`.
+        Whole blocks, then (prefix_match="token") the leading tokens of one more cached block."""
+        bs, last = self.block_size, seq.num_tokens_to_compute - 1
+        if seq.is_scoring:
+            last = min(last, seq.score_from - 1)
+        if self.recompute_tail:  # the policy's observation window is computed by this request
+            last = min(last, (seq.score_from if seq.is_scoring else seq.num_prompt_tokens) - self.recompute_tail)
+        last = max(last, 0)
+        salt = self._salt(seq)
+        nodes = self.prefix_cache.match(seq.token_ids, salt, last // bs)
+        k = len(nodes)
+        for g in self.full_groups:  # a full-attention group needs every page before the hit
+            k = next((i for i in range(k) if g not in nodes[i].pages), k)
+        if self.shareable is not None:  # a page open in another sequence's window is not shared
+            k = next((i for i in range(k) if not all(self.shareable(p, self.allocator.num_owners(p) == 0)
+                                                     for p in nodes[i].pages.values())), k)
+        hit = 0
+        partial = self.prefix_match == "token" and self.shareable is None  # a partial page would be reopened
+        if partial and k == len(nodes) and last > k * bs:
+            child, j = self.prefix_cache.partial_match(nodes[-1] if nodes else None,
+                                                       seq.token_ids[k * bs:min(last, (k + 1) * bs)], salt)
+            if j and all(self._has_pages(g, nodes + [child], k * bs + j) for g in range(len(self.groups))):
+                nodes, hit = nodes + [child], k * bs + j
+        while not hit and k and not all(self._has_pages(g, nodes[:k], k * bs) for g in range(len(self.groups))):
+            k -= 1  # a window group needs the pages of the window before the hit
+        if not hit:
+            nodes, hit = nodes[:k], k * bs
+        self._match = (seq.seq_id, hit, nodes)
+        return hit, nodes
+
+    def _first_needed(self, group: int, hit: int) -> int:
+        """First block a query at cache index `hit` can see in `group`."""
+        window = self.groups[group].sliding_window
+        return 0 if window is None else max(0, hit - window + 1) // self.block_size
+
+    def _has_pages(self, group: int, nodes: list[Node], hit: int) -> bool:
+        return all(group in nodes[i].pages for i in range(self._first_needed(group, hit), len(nodes)))
+
+    def _cached_pages(self, group: int, nodes: list[Node], hit: int) -> list[int]:
+        first = self._first_needed(group, hit)
+        return [NULL_BLOCK] * first + [node.pages[group] for node in nodes[first:]]
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching); the
+        scheduler starts computing after them."""
+        if self.prefix_cache is None:
+            return 0
+        if self._match is None or self._match[0] != seq.seq_id:
+            self._lookup(seq)
+        return self._match[1]
+
+    def commit(self, seq: Sequence) -> None:
+        """`seq`'s computed tokens are final: register its full pages in the prefix cache (none once a
+        policy compacted it: its cache indices no longer follow token positions)."""
+        if self.prefix_cache is not None and seq.seq_id not in self._compacted:
+            self.prefix_cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+                                     [self.allocator.block_table(k) for k in self._keys(seq)])
+
+    # -- state machine ---------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step is being scheduled: no rows claimed yet."""
+        self._claimed_rows = 0
+
+    def _new_rows(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> int:
+        """Residual rows that writing `num_new_tokens` into `seq`'s tables (after cache index `start`, default
+        each table's length) will lease."""
+        a = self.allocator
+        return sum(self.rows.new_rows(a.block_table(k), a.num_tokens(k) if start is None else start, num_new_tokens)
+                   for k in self._keys(seq))
+
+    def _lease_requests(self, rows: int) -> list[tuple[int, int]]:
+        """`rows` leases as allocation requests (a lease is a table of pages_per_row full pages)."""
+        tokens = self.rows.pages_per_row * self.block_size
+        return [(tokens, tokens)] * rows
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        if self.rows is not None:  # its first chunk opens at most a window of pages per group
+            pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
+        if self.prefix_cache is None:
+            return self.allocator.can_allocate_many(
+                [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
+                + (self._lease_requests(pending) if self.rows is not None else []))
+        hit, nodes = self._lookup(seq)
+        a, need = self.allocator, 0
+        for g, group in enumerate(self.groups):
+            cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
+            need += max(a.blocks_for(self._footprint(group, seq.num_tokens)) - len(cached), 0)
+            need += sum(1 for p in cached if a.is_parked(p))  # taking a parked page back uses up a free one
+            need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
+        if self.rows is not None:
+            need += pending * self.rows.pages_per_row
+        return need <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Tables for `seq`: with prefix caching, the cached pages of its first
+        `seq.num_computed_tokens` tokens (from `num_cached_tokens`), then `num_tokens` new slots."""
+        self._allocate(seq, num_tokens)
+        if self.rows is not None:  # the tables now hold the hit's pages: what the chunk opens is known
+            self._claimed_rows += self._new_rows(seq, num_tokens, start=seq.num_computed_tokens)
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
+        if self.prefix_cache is None:
+            for key in self._keys(seq):
+                self.allocator.allocate(key, num_tokens, seq.max_len)
+            return
+        seq_id, hit, nodes = self._match if self._match and self._match[0] == seq.seq_id else (seq.seq_id, 0, [])
+        if hit != seq.num_computed_tokens:
+            raise RuntimeError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but the prefix "
+                               f"cache holds {hit}: call num_cached_tokens just before allocate")
+        self._match = None
+        used, saved, taken = [], 0, set()
+        for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
+            pages = self._cached_pages(g, nodes, hit)
+            self.allocator.allocate_cached(key, pages, hit)
+            used += [p for p in pages if p != NULL_BLOCK]
+            taken |= {(g, p) for p in pages if p != NULL_BLOCK}
+            saved += sum(1 for p in pages[:hit // self.block_size] if p != NULL_BLOCK)  # a partial page is copied
+        for key in self._keys(seq):
+            self.allocator.append_slots(key, num_tokens)
+        self.prefix_cache.start(seq.seq_id, nodes[:hit // self.block_size], used)
+        self._hits[seq.seq_id] = (hit, taken)
+        stats = self.prefix_cache.stats
+        stats.queried_tokens += seq.num_tokens_to_compute
+        stats.hit_tokens += hit
+        stats.queried_pages += len(self.groups) * (seq.num_tokens_to_compute // self.block_size)
+        stats.hit_pages += saved
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        a, requests = self.allocator, [(key, num_new_tokens) for key in self._keys(seq)]
+        if not a.can_append_many(requests):
+            return False
+        if self.rows is None:
+            return True
+        pages = sum(a.blocks_to_append(key, n) for key, n in requests)
+        rows = (self._claimed_rows + self._new_rows(seq, num_new_tokens)) * self.rows.pages_per_row
+        return pages + rows <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        if self.rows is not None:
+            self._claimed_rows += self._new_rows(seq, num_new_tokens)
+        for key in self._keys(seq):
+            self.allocator.append_slots(key, num_new_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.seq_id not in self._compacted:  # the radix tree keeps the last page
+            self.prefix_cache.retire(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+                                     [self.allocator.block_table(k) for k in self._keys(seq)])
+        for key in self._keys(seq):
+            self.allocator.free(key)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_sequence(seq.seq_id)
+        self._hits.pop(seq.seq_id, None)
+        self._compacted.discard(seq.seq_id)
+        if self.on_free is not None:
+            self.on_free()
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""
+        for g in range(len(self.groups)):
+            self.allocator.fork(self.key(parent, g), self.key(child, g))
+        if self.prefix_cache is not None:
+            self.prefix_cache.fork(parent.seq_id, child.seq_id)
+        if parent.seq_id in self._hits:
+            self._hits[child.seq_id] = self._hits[parent.seq_id]
+        if parent.seq_id in self._compacted:
+            self._compacted.add(child.seq_id)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the last `num_tokens` slots of every group (rejected speculative tokens)."""
+        for key in self._keys(seq):
+            self.allocator.truncate(key, self.allocator.num_tokens(key) - num_tokens)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Free sliding-window pages no future query of `seq` can see."""
+        for g, group in enumerate(self.groups):
+            if group.sliding_window is not None:
+                key = self.key(seq, g)
+                first_query = self.allocator.num_tokens(key)  # the next token's cache index
+                self.allocator.release_before(key, first_query - group.sliding_window + 1)
+
+    def release_blocks(self, seq: Sequence, group: int, block_indices: list[int]) -> int:
+        """Free pages in the middle of a table (an eviction policy); their entries are never read."""
+        return self.allocator.release_blocks(self.key(seq, group), block_indices)
+
+    def compact(self, seq: Sequence, group: int, keep: list[int]) -> list[tuple[int, int]]:
+        """Keep only cache indices `keep` of one group, moved to the front; the (src, dst) slot moves
+        the cache must apply at once (kvlab.cache.kv_cache.KVCache.move_slots). A shared or cached page is
+        never written (the allocator copies what it must move into a fresh page), and from now on
+        `seq` registers nothing in the prefix cache."""
+        self._compacted.add(seq.seq_id)
+        return self.allocator.compact(self.key(seq, group), keep)
+
+    def protected_slots(self, seq: Sequence, group: int) -> int:
+        """Leading cache indices of `seq` in `group` that a compressing policy must keep in place: those
+        in the leading pages it shares, held by another table too or taken from the prefix cache at
+        admission (0 without prefix caching). Pages `seq` computed and registered itself, held by no one
+        else, are not protected: compacting them copies the survivors out, the originals stay cached."""
+        if self.prefix_cache is None:
+            return 0
+        key = self.key(seq, group)
+        table, n = self.allocator.block_table(key), self.allocator.num_tokens(key)
+        hits = self._hits.get(seq.seq_id, (0, set()))[1]
+        k = 0
+        while k < len(table) and table[k] != NULL_BLOCK and ((group, table[k]) in hits
+                                                             or self.allocator.num_owners(table[k]) > 1):
+            k += 1
+        return min(k * self.block_size, n)
+
+    def num_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` took from the prefix cache when it was last admitted (its first computed token)."""
+        return self._hits.get(seq.seq_id, (0, set()))[0]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write page copies (src, dst)."""
+        copies = self.allocator.take_copies()
+        self.num_cow_copies += len(copies)
+        return copies
+
+    # -- views for the planner and the metrics -----------------------------------
+    def block_tables(self, seqs: Iterable[Sequence], group: int) -> list[list[int]]:
+        return [self.allocator.block_table(self.key(s, group)) for s in seqs]
+
+    def cached_lens(self, seqs: Iterable[Sequence], group: int) -> list[int]:
+        """Cached slots of each sequence in one group (its tokens, less evicted, plus tentative ones)."""
+        return [self.allocator.num_tokens(self.key(s, group)) for s in seqs]
+
+    def slot_ids(self, seq: Sequence, group: int, start: int, end: int) -> list[int]:
+        """Slots of cache indices [start, end) of `seq` in one group."""
+        return self.allocator.slot_ids(self.key(seq, group), start, end)
+
+    def cached_total(self, seq: Sequence) -> int:
+        """Slots `seq` has written over the full-attention groups (for the waste figures)."""
+        return sum(self.allocator.num_tokens(self.key(seq, g)) for g in self.full_groups)
+
+    def num_used_blocks(self) -> int:
+        return self.allocator.num_used_blocks
+
+    def group_usage(self, seqs: Iterable[Sequence]) -> dict[str, int]:
+        """Pages held by `seqs`, per kind of layer group ("full", "window512", ...)."""
+        seqs = list(seqs)
+        usage: dict[str, int] = {}
+        for g, group in enumerate(self.groups):
+            usage[group.kind] = usage.get(group.kind, 0) + sum(self._live_blocks(self.key(s, g)) for s in seqs)
+        return usage
+
+    def _live_blocks(self, key: int) -> int:
+        return sum(1 for b in self.allocator.block_table(key) if b != NULL_BLOCK)
+
+    def waste_view(self, seq: Sequence) -> tuple[int, int]:
+        """(allocated, written) slots of `seq` over the full-attention groups, for the waste figures."""
+        a = self.allocator
+        keys = [self.key(seq, g) for g in self.full_groups]
+        return sum(a.allocated_slots(k) for k in keys), sum(a.num_tokens(k) for k in keys)
+
+    def external_fragmentation(self, seq: Sequence) -> int:
+        """Free slots the next waiting request could not use (contiguous allocation only)."""
+        a = self.allocator
+        return a.external_fragmentation(a.reservation(seq.num_tokens, seq.max_len))

@@ -1,0 +1,129 @@
+"""The attention implementation kvlab registers with transformers (`attn_implementation="kvlab_paged"`).
+
+The model's own forward runs on one packed ragged batch ([1, T] tokens from
+many sequences). Each attention layer hands us its new queries, keys and values
+(RoPE applied); we write the keys/values into the paged pool and attend
+through the block tables. Everything per step (slot mappings, attention plans)
+is planned once by `plan_step` (from the block manager: per-group cached
+lengths, tables and slot mappings) into a `StepMetadata` that travels to every
+layer as the forward keyword `kvlab_meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.kernels.attention_plan import AttentionPlan, plan_paged_attention
+from kvlab.cache.block_manager import BlockManager
+from kvlab.kernels import ops
+from kvlab.cache.kv_cache import KVCache
+from kvlab.policies.sparse_read import SparseStep
+
+ATTN_IMPLEMENTATION = "kvlab_paged"
+
+
+@dataclass
+class StepMetadata:
+    cache: KVCache
+    slot_mapping: list[torch.Tensor]  # per layer group: [T] int64 slot of each new token
+    plans: list[AttentionPlan]  # per layer group
+    query_rows: torch.Tensor | None = None  # [W] packed tokens whose queries the cache policy needs
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, Hq, D], filled by the layers
+    collect_stats: bool = False  # the cache policy accumulates attention statistics (H2O)
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
+    sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
+
+
+def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
+              device: torch.device, tree_mask: torch.Tensor | None = None) -> StepMetadata:
+    """The step's attention metadata, once for every layer: per group, the slot of each new token
+    and the attention plan over the group's cached slots (not the tokens' positions: a compacted
+    group holds fewer slots than its sequence has tokens)."""
+    bm = block_manager
+    n = torch.tensor(num_new_tokens, dtype=torch.int64)  # [B]
+    cu = [0]
+    for k in num_new_tokens:
+        cu.append(cu[-1] + k)
+    seq_of = torch.repeat_interleave(torch.arange(len(seqs)), n)  # [T]
+    local = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.int64)[seq_of]  # [T] index within its chunk
+    mappings, plans, seals = [], [], []
+    for g, group in enumerate(bm.groups):
+        tables, lens = bm.block_tables(seqs, g), bm.cached_lens(seqs, g)
+        index = (torch.tensor(lens, dtype=torch.int64) - n)[seq_of] + local  # [T] cache index of each new token
+        mappings.append(slot_mapping(tables, seq_of, index, bm.block_size).to(device))
+        plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
+                                          tree_mask=tree_mask, null_block=cache.null_page))
+        if cache.residual is not None:
+            seals.append(leaving_window(tables, lens, num_new_tokens, cache.residual, bm.block_size))
+    cache.begin_step(mappings, seals if cache.residual is not None else None)
+    sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
+    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse)
+
+
+def leaving_window(tables: list[list[int]], lens: list[int], num_new: list[int], residual: int,
+                   block_size: int) -> set[int]:
+    """Pages whose tokens all became older than the newest `residual` this step (a quantised
+    format's residual window, kvlab.cache.quant.page_store): page j of a table holds cache indices
+    [j * bs, (j + 1) * bs) and leaves once (j + 1) * bs <= len - residual."""
+    pages = set()
+    for table, length, n in zip(tables, lens, num_new):
+        first = max(0, length - n - residual) // block_size
+        last = max(0, length - residual) // block_size
+        pages.update(p for p in table[first:last] if p >= 0)
+    return pages
+
+
+def slot_mapping(tables: list[list[int]], seq_of: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of every new token: tables[b][index // block_size] * block_size + index % block_size -> [T] int64."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [B, width]
+    return padded[seq_of, index // block_size] * block_size + index % block_size
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kvlab_meta: StepMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if kvlab_meta is None:
+        raise RuntimeError("kvlab_paged attention runs only inside the kvlab engine (no kvlab_meta given)")
+    meta, layer = kvlab_meta, module.layer_idx
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    if meta.query_rows is not None:
+        meta.queries[layer] = q.index_select(0, meta.query_rows)  # [W, Hq, D]
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    entries = meta.cache.groups_of[layer]  # [(group, KV head)]: one, or one per KV head (per-head tables)
+    outs = []
+    for group, head in entries:
+        meta.cache.store(layer, key, value, meta.slot_mapping[group], head)
+        qh = q if head is None else q.unflatten(1, (key.shape[1], -1))[:, head]  # [T, Hq or g, D]
+        plan = meta.plans[group] if meta.sparse is None else meta.sparse.plan(layer, qh, meta.plans[group], scaling)
+        out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), plan, scaling,
+                                      softcap, *meta.cache.head_scales(layer, head),
+                                      return_stats=meta.collect_stats)  # [T, Hq or g, D]
+        if meta.collect_stats:  # attention mass each cached key received from this step's queries
+            out, meta.stats[layer] = out
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

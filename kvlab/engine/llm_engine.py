@@ -1,0 +1,666 @@
+"""The engine: requests in, a step at a time, finished requests out.
+
+    step() = schedule -> run the model once on the packed batch -> sample -> postprocess
+
+Building it sizes the one shared page pool from the byte budget, splits the
+model's layers into groups of equal size that share block tables (full vs
+sliding-window attention), and wires the plugins named in the config
+(allocator, policy, quantisation format).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import time
+from typing import Callable
+
+import torch
+
+from kvlab.engine import attention
+from kvlab.cache.allocators.base import Allocator
+from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
+from kvlab.policies.compressor import Compressor
+from kvlab.engine_config import EngineConfig
+from kvlab.kernels import ops
+from kvlab.cache.kv_cache import KVCache, bytes_per_block
+from kvlab.metrics import Metrics, tokens_per_page
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.models import LoadedModel, load_model
+from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
+from kvlab.cache.prefix_cache import PrefixCache, PrefixStats
+from kvlab.cache.quant.lease import lessor_for, row_claims
+from kvlab.cache.radix_cache import RadixCache
+from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
+from kvlab.sampler import SamplingError, request_generator, sample
+from kvlab.sampling_params import SamplingParams, as_sampling_params
+from kvlab.engine.scheduler import Scheduler
+from kvlab.sequence import Sequence
+from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
+from kvlab.speculation.speculator import Speculator
+from kvlab.stop_strings import StopStrings
+
+
+def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
+    """Layers grouped by attention kind (full, or a sliding window: Gemma 2/3, Mistral) into groups of
+    equal size, so that every page of the shared pool has one size; `per_layer`: one layer a group;
+    `per_head`: one (layer, KV head) a group (a model with one KV head needs no split)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+    heads = config.num_key_value_heads if per_head and config.num_key_value_heads > 1 else None
+    return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types],
+                        1 if per_layer or heads else None, heads)
+
+
+def as_token_ids(ids) -> list[int]:
+    """Token ids from a list, tuple, 1-D tensor or numpy array of integers; anything else is an error."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"expected token ids, got a string {ids!r}: encode it with the tokenizer first")
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # torch tensor, numpy array
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"token ids must be one-dimensional, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise TypeError(f"expected a sequence of token ids, got {type(ids).__name__}") from None
+    for t in ids:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"token ids must be integers, got {t!r}")
+    return [int(t) for t in ids]
+
+
+def check_backend_reads(quant, config: EngineConfig) -> None:
+    """A cache format the chosen kernel backend cannot read is an error before the model loads."""
+    cuda = torch.device(config.device).type == "cuda"
+    backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
+    if backend not in quant.backends:
+        raise ValueError(f"quant={config.quant!r}: the {backend} kernel backend cannot read this cache format "
+                         f"(it is read by: {', '.join(quant.backends)}); set kernel_backend='torch'")
+
+
+def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, bytes) of a residual area paid for before the pages: none. A format with a residual window
+    leases each open page's full-precision row from the pool's free pages while the page is open
+    (kvlab.cache.quant.lease), so the whole budget buys pages and rows cost pages only while in use."""
+    return 0, 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        load_plugins()
+        self.config = config
+        # resolve every plugin before the (slow) model load so bad names fail at once
+        allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
+        self.policy = POLICIES.build(config.policy, **config.policy_args)
+        self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+        if isinstance(self.policy, SparseReadPolicy) and getattr(self.quant, "packed", False):
+            raise ValueError(f"policy {config.policy!r} reads selected pages through key summaries that packed "
+                             f"formats do not keep yet; use quant {config.quant!r} without {config.policy!r}, or an "
+                             f"unpacked format (fp32, bf16, fp16, or fp8_e4m3 / fp8_e5m2 with quant_args "
+                             f"{{'scaling': 'fixed'}})")
+        check_engine(self.policy, config)
+        if self.policy.compresses and type(allocator).compact is Allocator.compact:
+            raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
+                             f"cannot do (it has no compact()); use allocator 'paged' or 'contiguous'")
+        PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+        if config.enable_prefix_caching:
+            self._check_prefix_caching(config)
+        self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
+        if self.draft is not None and self.policy.compresses:
+            raise ValueError(f"draft {config.draft!r} with policy {config.policy!r}: speculative decoding does not "
+                             f"run with a compressing policy yet (tentative slots and compaction share cache "
+                             f"indices); use policy='full' or draft=None")
+        if self.draft is not None and config.enable_prefix_caching:
+            raise ValueError(f"draft {config.draft!r} with enable_prefix_caching is not supported yet (committed "
+                             f"tokens alone should be hashed, which nothing checks yet); use one or the other")
+        ops.set_backend(config.kernel_backend)
+        check_backend_reads(self.quant, config)
+        dtype = getattr(torch, config.dtype)
+        impl = attention.register()
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, attn_implementation=impl, seed=config.seed)
+        else:
+            loaded.model.set_attn_implementation(impl)
+        self.model = loaded.model.to(config.device)
+        self.tokenizer = loaded.tokenizer
+        mc = self.model.config
+        self.model_config = mc
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context of "
+                             f"{mc.max_position_embeddings} tokens (max_position_embeddings): set max_model_len <= "
+                             f"{mc.max_position_embeddings}, or None for the model's context")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        self.bos_token_id = bos if bos is not None else getattr(mc, "bos_token_id", None)
+        eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
+        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+        groups = layer_groups(mc, per_layer=self.policy.compresses, per_head=self.policy.head_budgets)
+        num_kv_heads = mc.num_key_value_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
+        per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
+        _, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
+        num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
+        self.bytes_per_block = per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
+                f"tokens ({per_block:.0f} bytes across {len(groups[0].layers)} layers); "
+                f"raise kv_cache_memory"
+            )
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            salt = repr((config.model, config.quant, sorted(config.quant_args.items()), config.dtype)).encode()
+            eviction = PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+            prefix_cache = (RadixCache(config.block_size, eviction, salt) if config.prefix_cache == "radix"
+                            else PrefixCache(config.block_size, eviction, salt))
+        match = "token" if config.prefix_cache == "radix" else config.prefix_match  # a radix tree matches tokens
+        max_chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
+        self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
+                                          num_blocks, config.block_size, self.max_model_len,
+                                          max_chunk, prefix_cache, match, self._kept_tokens(groups))
+        self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
+                             config.device, lessor=lessor_for(self.quant, self.block_manager.allocator,
+                                                              config.block_size))
+        self.block_manager.on_free = self.cache.release_unheld  # leased residual rows follow their pages
+        self.block_manager.rows = row_claims(self.cache.area, self.quant.residual or 0)
+        if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
+            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
+                                                dtype, config.device)
+        if self.policy.compresses:  # a prefix hit leaves the policy's observation window to compute
+            self.block_manager.recompute_tail = self.policy.query_window
+        if prefix_cache is not None and self.cache.area is not None:
+            # a residual window: a hit leaves the prompt's window to compute and shares no page that is
+            # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")
+            self.block_manager.recompute_tail = max(self.block_manager.recompute_tail, self.quant.residual)
+            self.block_manager.shareable = self.cache.shareable
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk)
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
+        self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
+            if self.policy.compresses else None
+        if self.compressor:
+            self.policy.bind(self.model)
+        if self.compressor or self.cache.sparse_read is not None:
+            self.scheduler.stop_at = self._chunk_end  # so that a recompute rebuilds what the first pass did
+        self.speculator = None
+        if self.draft is not None:
+            self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
+            self.speculator = Speculator(self.draft, mc.vocab_size, self.cache, self.block_manager)
+        self.metrics = self._new_metrics()
+        self._next_id = 0
+        self._generators: dict[int, torch.Generator] = {}
+        self._return_dists: set[int] = set()
+        self._samples: dict[int, tuple[int, int]] = {}  # parallel sampling: seq id -> (group id, sample index)
+        self._groups: dict[int, list[int]] = {}  # group id (the first sample's id) -> ids of its unfinished samples
+
+    def _chunk_end(self, seq: Sequence) -> int | None:
+        """The computed-token count a chunk of `seq` must not pass (None: any): its next compression point
+        (compression points are in token time); under sparse reading, the prompt's end, then one token a
+        step (a decode row reads the pages the policy selects, a longer chunk reads every page densely)."""
+        point = self.compressor.next_point(seq) if self.compressor else None
+        if self.cache.sparse_read is not None and not seq.is_scoring:
+            done = seq.num_computed_tokens
+            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1
+            point = read if point is None else min(point, read)
+        return point
+
+    def _kept_tokens(self, groups: list[LayerGroup]) -> Callable[[int, int], int] | None:
+        """For admission: (group, prompt tokens) -> tokens the group keeps of the prompt, when the policy
+        compresses after every prefill chunk (so a prompt never holds more than that plus one chunk)."""
+        if not self.policy.compresses or self.policy.when != "chunk":
+            return None
+        num_layers = sum(len(g.layers) for g in groups)
+        return lambda g, n: self.policy.layer_budget(groups[g].layers[0], num_layers, n)
+
+    def _check_prefix_caching(self, config: EngineConfig) -> None:
+        """Prefix caching with a feature it does not support yet: a clear error before the model loads."""
+        if self.policy.compresses and self.policy.needs_attention_stats:
+            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: it ranks "
+                             f"keys by the attention every query paid them, and a prefix hit skips the queries of "
+                             f"the tokens it reuses; use a policy without accumulated attention statistics")
+        if self.policy.compresses and "protected" not in inspect.signature(self.policy.select).parameters:
+            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: its select() "
+                             f"takes no `protected` argument (the leading cache indices in shared pages, which it "
+                             f"must keep); see kvlab.policies.base.Policy.select")
+        if not hasattr(ALLOCATORS.get(config.allocator), "allocate_cached"):
+            raise ValueError(f"enable_prefix_caching with allocator {config.allocator!r} is not supported yet; "
+                             f"use allocator='paged'")
+
+    def _new_metrics(self) -> Metrics:
+        bm = self.block_manager
+        # waste is measured on the full-attention groups' pages (those that grow with the sequence)
+        return Metrics(pool_slots=bm.num_blocks * bm.block_size, num_blocks=bm.num_blocks)
+
+    # -- requests ------------------------------------------------------------
+    def check_params(self, params) -> SamplingParams:
+        """`params` if this engine can run them; else an error naming what cannot run (before any step)."""
+        params = as_sampling_params(params)
+        if params.n > 1 and self.speculator is not None:
+            raise ValueError(f"SamplingParams(n={params.n}) with draft {self.config.draft!r} is not supported yet "
+                             f"(forked samples would share tentative slots); use n=1 or draft=None")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab}): it can never "
+                             f"be generated")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(params.stop)!r} are matched on the detokenised output, and this "
+                             f"model has no tokenizer (random weights): use stop_token_ids")
+        return params
+
+    def make_sequence(self, prompt_token_ids, params: SamplingParams, arrival_time: float | None = None,
+                      score_from: int | None = None) -> Sequence:
+        """Validate a request and build its sequence, without queueing it.
+
+        `prompt_token_ids`: a list, tuple, 1-D tensor or numpy array of integer ids. `arrival_time`:
+        a `time.perf_counter()` reading (the engine's clock), default now. Scoring requests pass
+        context + continuation as the prompt and the context length as `score_from`.
+        """
+        params = self.check_params(params)
+        ids = as_token_ids(prompt_token_ids)
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if score_from is None and len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
+                f"(it must leave room for at least one new token)"
+            )
+        if score_from is not None and len(ids) > self.max_model_len:
+            raise ValueError(f"context + continuation of {len(ids)} tokens does not fit the model's context of "
+                             f"{self.max_model_len} tokens")
+        now = time.perf_counter()
+        if arrival_time is None:
+            arrival_time = now
+        elif not isinstance(arrival_time, numbers.Real) or isinstance(arrival_time, bool) \
+                or not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time must be a number (a time.perf_counter() reading), got {arrival_time!r}")
+        elif arrival_time > now + 1.0:
+            raise ValueError(f"arrival_time {arrival_time} is in the future of time.perf_counter() ({now:.3f}): "
+                             f"the engine's clock is time.perf_counter(), not time.time()")
+        prompt_len = len(ids) if score_from is None else score_from
+        max_len = len(ids) if score_from is not None else min(prompt_len + params.max_tokens, self.max_model_len)
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        seq = Sequence(seq_id, ids, params, max_len, float(arrival_time), score_from)
+        error = self.block_manager.capacity_error(seq)
+        if error:
+            raise ValueError(error)
+        return seq
+
+    def make_scoring_sequence(self, context_ids, continuation_ids) -> Sequence:
+        """A teacher-forced scoring request; an empty context is scored from the model's BOS token."""
+        ctx, cont = as_token_ids(context_ids), as_token_ids(continuation_ids)
+        if not cont:
+            raise ValueError("the continuation is empty: there is nothing to score")
+        if not ctx:
+            if self.bos_token_id is None:
+                raise ValueError("the context is empty and the model has no BOS token to score the first "
+                                 "continuation token from: give at least one context token")
+            ctx = [self.bos_token_id]
+        return self.make_sequence(ctx + cont, SamplingParams(max_tokens=1), score_from=len(ctx))
+
+    def add_sequence(self, seq: Sequence, return_dists: bool = False) -> int:
+        if not seq.params.greedy:
+            self._generators[seq.seq_id] = request_generator(self.config.seed, seq.seq_id, seq.params.seed)
+        if return_dists:
+            self._return_dists.add(seq.seq_id)
+        self.metrics.begin()
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def add_request(self, prompt_token_ids, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        """Queue a generation request; raises ValueError (naming the problem) if it can never run.
+
+        `arrival_time` is a `time.perf_counter()` reading (default: now); TTFT counts from it.
+        """
+        params = SamplingParams() if params is None else params
+        return self.add_sequence(self.make_sequence(prompt_token_ids, params, arrival_time))
+
+    def fork(self, request_id: int, params: SamplingParams | None = None) -> int:
+        """A new request continuing a running generation request from where it is: it shares every
+        page the parent holds (copy-on-write on the first write into a shared page) and samples with
+        `params` (default: the parent's). The basis of parallel sampling and beam-style search."""
+        parent = next((s for s in self.scheduler.running if s.seq_id == request_id), None)
+        if parent is None or parent.is_scoring or parent.num_uncomputed_tokens != 1:
+            raise ValueError(f"request {request_id} is not a running generation request between decode steps")
+        params = params or parent.params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        child = Sequence(seq_id, parent.token_ids, params, min(parent.num_prompt_tokens + params.max_tokens,
+                                                                self.max_model_len), parent.arrival_time)
+        child.num_prompt_tokens, child.first_token_time = parent.num_prompt_tokens, parent.first_token_time
+        self.block_manager.fork(parent, child)
+        if self.compressor:
+            self.compressor.fork(parent, child)
+        self.scheduler.admit_forked(child, parent.num_computed_tokens)
+        if not params.greedy:
+            self._generators[seq_id] = request_generator(self.config.seed, seq_id, params.seed)
+        return seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop an unfinished request (with every unfinished sample of it, for n > 1) and free its pages;
+        False if it is unknown or already finished."""
+        others = [i for i in self._groups.pop(request_id, []) if i != request_id]
+        aborted = [i for i in others if self._abort_one(i)]
+        return self._abort_one(request_id) or bool(aborted)
+
+    def _abort_one(self, request_id: int) -> bool:
+        group, _ = self._samples.pop(request_id, (None, 0))
+        if request_id in self._groups.get(group, ()):
+            self._groups[group].remove(request_id)
+            if not self._groups[group]:
+                del self._groups[group]
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        seq.finish_time = time.perf_counter()
+        if self.compressor:
+            self.compressor.forget(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
+        self._generators.pop(seq.seq_id, None)
+        self._return_dists.discard(seq.seq_id)
+        self.metrics.discard(seq.seq_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput | ScoreOutput]:
+        """Run one engine step; returns the outputs of the requests that finished in it.
+
+        If a stage fails (scheduling, the model, the sampler, verification, advancing, compression), the
+        step's sequences give their pages back and wait to be recomputed from their tokens, as if the step
+        had never run (the tokens it sampled are not appended, the samples it spawned are dropped), so
+        the engine stays usable; the exception propagates (abort the requests that caused it, or they
+        fail again).
+        """
+        t0 = time.perf_counter()
+        self.cache.release_unheld()  # rows of pages sealed last step go back before this step is scheduled
+        streams = self._stream_states(self.scheduler.running)  # drafts and samples draw from them this step
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running, self._generators)
+        batch = self._schedule(streams)
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
+            return []
+        due = rows = None
+        if self.compressor:
+            due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+            rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]] = []
+        try:
+            out = self.runner.run(batch, rows if rows and any(rows) else None,
+                                  stats=bool(self.compressor) and self.policy.needs_attention_stats)
+            spawned = self._spawn_samples(out)
+            tokens = self._sample(out)
+            verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
+            self._commit(batch, out, spawned, due, rejected)
+        except BaseException:
+            self._roll_back(batch, spawned, streams)
+            raise
+        finished = self._postprocess(out, tokens, verified)
+        for seq in self.scheduler.running:
+            self.block_manager.release_out_of_window(seq)
+        outputs = [self.make_output(seq) for seq in finished]
+        self.metrics.add_busy(time.perf_counter() - t0)
+        return outputs
+
+    def make_output(self, seq: Sequence) -> RequestOutput | ScoreOutput:
+        if seq.is_scoring:
+            dists = torch.stack(seq.dists) if seq.dists else None
+            return ScoreOutput(seq.seq_id, seq.logprobs, dists, seq.num_preemptions)
+        group, index = self._samples.pop(seq.seq_id, (seq.seq_id, 0))
+        if group in self._groups:
+            self._groups[group].remove(seq.seq_id)
+            if not self._groups[group]:
+                del self._groups[group]
+        stops = seq.stop_strings
+        if stops is not None and stops.matched is not None:  # the text cut at the stop string
+            text, stop_reason = stops.text, stops.matched
+        else:
+            tok = self.tokenizer
+            text = tok.decode(seq.output_token_ids, skip_special_tokens=True) if tok is not None else None
+            stop_reason = self._stop_token(seq)
+        completion = CompletionOutput(index, text, seq.output_token_ids, seq.finish_reason, stop_reason, seq.tpot,
+                                      seq.num_preemptions)
+        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], [completion], seq.ttft, group)
+
+    def _schedule(self, streams: dict[int, torch.Tensor]):
+        """The step's batch. Preempted sequences lose their compressor state (a recompute rebuilds it); if
+        scheduling raises (the scheduler then put back what it had scheduled), the streams are put back."""
+        try:
+            batch = self.scheduler.schedule()
+        except BaseException:
+            self._restore_streams(streams)
+            self._forget_compressed(self.scheduler.waiting)
+            raise
+        self._forget_compressed(batch.preempted)
+        streams.update(self._stream_states([s for s in batch.seqs if s.seq_id not in streams]))
+        return batch
+
+    def _commit(self, batch, out, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]],
+                due: list[bool] | None, rejected: dict[int, int] | None) -> None:
+        """The forward pass ran: advance the batch's token progress, compress the sequences due, then
+        fork the new samples from what the policy kept."""
+        self.scheduler.advance(batch, rejected)
+        self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
+        if self.compressor:
+            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
+        self._admit_samples(spawned)
+
+    def _stream_states(self, seqs) -> dict[int, torch.Tensor]:
+        """The random streams of the sampled requests among `seqs`, as they are now (a failed step gives
+        them back: a retried step draws what the step would have drawn)."""
+        return {s.seq_id: self._generators[s.seq_id].get_state() for s in seqs if s.seq_id in self._generators}
+
+    def _roll_back(self, batch, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]],
+                   streams: dict[int, torch.Tensor]) -> None:
+        """A stage of the step failed: drop the samples it spawned (their request spawns them again when it
+        samples its first token) and put every sequence of the batch back in the queue, its pages freed,
+        its compressor state dropped and its random stream as it was, to be recomputed from its tokens
+        (none of this step's is kept)."""
+        self._restore_streams(streams)
+        for parent, params, children in spawned:
+            parent.params = params
+            self._groups.pop(parent.seq_id, None)
+            self._samples.pop(parent.seq_id, None)
+            for child in children:
+                self._samples.pop(child.seq_id, None)
+                self._generators.pop(child.seq_id, None)
+                self.scheduler.abort(child.seq_id)  # if it was admitted: its pages go back
+            self._forget_compressed(children)
+        self.scheduler.unschedule(batch)
+        self._forget_compressed(batch.seqs)
+
+    def _restore_streams(self, streams: dict[int, torch.Tensor]) -> None:
+        for seq_id, state in streams.items():
+            if seq_id in self._generators:
+                self._generators[seq_id].set_state(state)
+
+    def _forget_compressed(self, seqs) -> None:
+        """`seqs` will be recomputed from scratch (or were dropped): the compressor forgets them."""
+        if self.compressor:
+            for seq in seqs:
+                self.compressor.forget(seq)
+
+    # -- parallel sampling ---------------------------------------------------
+    def _spawn_samples(self, out) -> list[tuple[Sequence, SamplingParams, list[Sequence]]]:
+        """Requests with n > 1 sampling their first token now: n - 1 more samples of the same prompt,
+        each drawing from the same logits row with its own generator (`SamplingParams.for_sample`)."""
+        spawned = []
+        for seq, row in list(out.sample_rows):
+            params = seq.params
+            if params.n == 1 or seq.num_output_tokens:
+                continue
+            children = []
+            for i in range(1, params.n):
+                seq_id, self._next_id = self._next_id, self._next_id + 1
+                child = Sequence(seq_id, seq.token_ids, params.for_sample(i), seq.max_len, seq.arrival_time)
+                if not child.params.greedy:
+                    self._generators[seq_id] = request_generator(self.config.seed, seq_id, child.params.seed)
+                out.sample_rows.append((child, row))
+                children.append(child)
+            spawned.append((seq, params, children))
+        return spawned
+
+    def _admit_samples(self, spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]]) -> None:
+        """The step ran and its prompt was compressed: the new samples share every page of their first
+        sample as the policy left them (copy-on-write) and start from its compressor state, so each goes
+        on as a separate request with its seed would."""
+        for parent, params, children in spawned:
+            parent.params = params.for_sample(0)
+            self._groups[parent.seq_id] = [parent.seq_id] + [c.seq_id for c in children]
+            for i, seq in enumerate([parent, *children]):
+                self._samples[seq.seq_id] = (parent.seq_id, i)
+            for child in children:
+                if self.compressor:
+                    self.compressor.fork(parent, child)
+                self.block_manager.fork(parent, child)
+                self.scheduler.admit_forked(child, parent.num_computed_tokens)
+
+    def _sample(self, out) -> list[int]:
+        """One token per sampling row (nothing is appended yet: a failure here leaves every sequence as it was)."""
+        if not out.sample_rows:
+            return []
+        rows = torch.tensor([r for _, r in out.sample_rows])
+        seqs = [s for s, _ in out.sample_rows]
+        try:
+            return sample(out.logits[rows], [s.params for s in seqs], [self._generators.get(s.seq_id) for s in seqs])
+        except SamplingError as exc:
+            seq = seqs[exc.row]
+            raise RuntimeError(f"request {seq.seq_id}: sampling failed ({exc.cause}); the step was undone and the "
+                               f"request fails again if retried: abort it (engine.abort({seq.seq_id}))") from exc
+
+    def _postprocess(self, out, tokens: list[int], verified: list[tuple[Sequence, list[int]]] = ()) -> list[Sequence]:
+        """Append each sequence's new tokens (one, or a verified speculative run) one by one: a stop
+        inside a run drops the tokens after it."""
+        now = time.perf_counter()
+        finished: list[Sequence] = []
+        for seq, run in [(seq, [token]) for (seq, _), token in zip(out.sample_rows, tokens)] + list(verified):
+            for token in run:
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    finished.append(self._finish(seq, reason, now))
+                    break
+        for seq, rows, targets in out.score_rows:
+            logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
+            seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
+            if seq.seq_id in self._return_dists:
+                seq.dists.extend(logp)
+            if seq.is_fully_scored:
+                finished.append(self._finish(seq, "scored", now))
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why `seq` finishes with `token` (just appended), checked in vLLM's order: EOS, a stop token, a
+        stop string the token completed, then the length limits; None to go on."""
+        if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            return "stop"
+        if seq.params.stop and self._stop_strings(seq).append(token):
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _stop_strings(self, seq: Sequence) -> StopStrings:
+        """The sequence's stop-string matcher, made at its first generated token (a fork's at its first
+        own token, primed with the output it inherited)."""
+        if seq.stop_strings is None:
+            tok = self.tokenizer
+            seq.stop_strings = StopStrings(lambda ids: tok.decode(ids, skip_special_tokens=True), seq.params.stop,
+                                           seq.params.include_stop_str_in_output)
+            seq.stop_strings.prime(seq.output_token_ids[:-1])
+        return seq.stop_strings
+
+    def _stop_token(self, seq: Sequence) -> int | None:
+        """The stop token that finished `seq` (vLLM's stop_reason), None if EOS or anything else did."""
+        last = seq.output_token_ids[-1] if seq.num_output_tokens else None
+        if seq.finish_reason != "stop" or last not in seq.params.stop_token_ids:
+            return None
+        return None if last in self.eos_token_ids and not seq.params.ignore_eos else last
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> Sequence:
+        # the final length in the cache (the last sampled token is never written; evicted ones are gone)
+        final = self.block_manager.cached_total(seq)
+        self.scheduler.finish(seq, reason)
+        if self.compressor:
+            self.compressor.forget(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
+        seq.finish_time = now
+        self._generators.pop(seq.seq_id, None)
+        self._return_dists.discard(seq.seq_id)
+        n_out = seq.num_output_tokens if not seq.is_scoring else 0
+        self.metrics.record_finish(seq.seq_id, final, seq.num_prompt_tokens, n_out, seq.ttft, seq.tpot)
+        return seq
+
+    def _record_step(self, num_preempted: int) -> None:
+        bm, running = self.block_manager, self.scheduler.running
+        external = bm.external_fragmentation(self.scheduler.waiting[0]) if self.scheduler.waiting else 0
+        self.metrics.record_step(bm.num_used_blocks(), [(s.seq_id, *bm.waste_view(s)) for s in running], external,
+                                 num_preempted, bm.group_usage(running) if len(bm.groups) > 1 else None)
+
+    # -- metrics -------------------------------------------------------------
+    def stats(self) -> dict:
+        """Throughput, latency, KV held (pages of the shared pool, in total and per kind of layer group; their
+        bytes; their tokens: kvlab.metrics, "KV held"), waste, and the plugins' counters."""
+        n_full = len(self.block_manager.full_groups)
+        live = {s.seq_id: s.num_tokens * n_full for s in self.scheduler.running}
+        summary = self.metrics.summary(live)
+        page_tokens = tokens_per_page(self.block_manager.groups, self.block_manager.block_size,
+                                      self.model_config.num_key_value_heads)
+        for key in ("peak", "mean"):  # pages held, in bytes (scales included) and tokens (kvlab.metrics: "KV held")
+            summary[f"kv_bytes_{key}"] = summary[f"kv_blocks_{key}"] * self.bytes_per_block
+            summary[f"kv_tokens_{key}"] = summary[f"kv_blocks_{key}"] * page_tokens
+        if self.compressor:
+            summary.update(self.compressor.stats())
+            summary["policy_bytes_freed"] = summary["policy_pages_freed"] * self.bytes_per_block
+        summary["cow_copies"] = self.block_manager.num_cow_copies
+        if self.cache.area is not None:  # pages sealed before their tokens left the residual window (0 in the engine)
+            summary["residual_early_seals"] = self.cache.area.early_seals
+        pc = self.block_manager.prefix_cache
+        if pc is not None:
+            st = pc.stats
+            summary.update(prefix_hit_rate_tokens=st.hit_tokens / st.queried_tokens if st.queried_tokens else 0.0,
+                           prefix_hit_rate_pages=st.hit_pages / st.queried_pages if st.queried_pages else 0.0,
+                           prefix_hit_tokens=st.hit_tokens, prefix_queried_tokens=st.queried_tokens,
+                           prefix_pages_saved=st.hit_pages, prefix_evictions=st.evictions,
+                           prefix_cached_free_pages=pc.num_parked)
+        if self.cache.sparse_read is not None:
+            summary.update(self.cache.sparse_read.stats())
+        if self.speculator:
+            summary.update(self.speculator.stats(self.metrics.busy_s))
+        return summary
+
+    def reset_stats(self) -> None:
+        self.metrics = self._new_metrics()
+        self.block_manager.num_cow_copies = 0
+        if self.block_manager.prefix_cache is not None:
+            self.block_manager.prefix_cache.stats = PrefixStats()
+        if self.compressor:
+            self.compressor.reset_stats()
+        if self.cache.sparse_read is not None:
+            self.cache.sparse_read.reset_stats()
+        if self.speculator:
+            self.speculator.reset_stats()

@@ -1,0 +1,186 @@
+"""Continuous batching: which sequences compute how many tokens this step. Torch-free.
+
+One rule covers prefill, chunked prefill, decode and recompute (vLLM v1): each
+scheduled sequence computes the next `n` of its uncomputed tokens, with the
+step's token budget shared first by running sequences (decodes and unfinished
+prefills, in admission order), then by waiting ones (FCFS). When the pool
+cannot grow a running sequence, the most recently admitted one is preempted:
+its blocks are freed and it goes back to the front of the queue to be
+recomputed later, so no request is lost or corrupted.
+
+`max_prefill_chunk` caps the tokens one sequence computes in a step while it has more than one
+to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy
+that compresses after every chunk, a prompt never holds more than its compressed past plus one
+chunk (the block manager admits it on that footprint).
+
+`stop_at` (the engine's `_chunk_end`, from a compressing policy's `Compressor.next_point`): no chunk
+runs past a sequence's next compression point (its prompt's end; with when="decode" every `every`
+tokens after it), so a recompute compresses at the tokens the first pass did and rebuilds exactly
+what it kept; under sparse reading a recompute's generated tokens are computed one a step, as decodes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvlab.cache.block_manager import BlockManager
+from kvlab.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # the sequences preempted while scheduling it
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None, stop_at: Callable[[Sequence], int | None] | None = None):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk  # None: a prompt's chunk is bounded by the step's budget only
+        self.stop_at = stop_at  # seq -> computed-token count its chunk must not pass (None: no limit)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """The step's batch; if scheduling raises, the sequences it had scheduled are put back (unschedule)."""
+        batch = ScheduledBatch()
+        self.block_manager.begin_step()
+        try:
+            self._schedule(batch)
+        except BaseException:
+            self.unschedule(batch)
+            raise
+        return batch
+
+    def _schedule(self, batch: ScheduledBatch) -> None:
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if n > seq.num_uncomputed_tokens and not self.block_manager.can_append(seq, n):
+                n = seq.num_uncomputed_tokens  # no room for tentative draft slots: decode plainly, preempt no one
+            seq.keep_draft_tokens(n)  # draft tokens count against the token budget
+            if not self._make_room(seq, n, batch):
+                continue  # seq itself was preempted; running[i] is now the next one
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            self.block_manager.append(seq, n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            seq.num_computed_tokens = self.block_manager.num_cached_tokens(seq)  # prefix-cache hit (or 0)
+            n = self._chunk(seq, budget)
+            self.block_manager.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: its chunk limit within the step's budget; with
+        `max_prefill_chunk`, at most that many when it has a prompt (or a recompute) to compute, never
+        past the prompt's end (a recompute chunks its prompt as the first pass did), and any decode;
+        never past the sequence's next compression point (`stop_at`)."""
+        n = min(seq.chunk_limit(), budget)
+        if self.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
+            n = min(n, self.max_prefill_chunk)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        point = self.stop_at(seq) if self.stop_at is not None else None
+        if point is not None:
+            n = min(n, point - seq.num_computed_tokens)
+        return n
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the back of `running` until `seq` can grow by `n`; False if `seq` went itself."""
+        while not self.block_manager.can_append(seq, n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.num_preempted += 1
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def admit_forked(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """A sequence forked from a running one (its pages already shared by the block manager)."""
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def advance(self, batch: ScheduledBatch, num_rejected: dict[int, int] | None = None) -> None:
+        """The step ran: each scheduled sequence now has its `n` new tokens in the cache, less the
+        `num_rejected[seq_id]` draft tokens verification rejected, whose tentative slots are rolled back."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            rejected = num_rejected.get(seq.seq_id, 0) if num_rejected else 0
+            if rejected:
+                self.block_manager.rollback(seq, rejected)
+            seq.num_computed_tokens += n - rejected
+            seq.draft_token_ids, seq.draft_parents = [], []
+            self.block_manager.commit(seq)  # full pages of computed tokens become findable (prefix caching)
+
+    def preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+
+    def unschedule(self, batch: ScheduledBatch) -> None:
+        """The step failed before its results were kept: every scheduled sequence gives its pages back
+        and waits to be recomputed from scratch (its tokens and scores so far are kept)."""
+        for seq in reversed(batch.seqs):
+            if seq.status is SequenceStatus.RUNNING:
+                self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids, seq.draft_parents = [], []  # tentative state goes with the pages
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.draft_token_ids, seq.draft_parents = [], []
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop an unfinished request wherever it is, freeing its pages; the sequence, or None if unknown."""
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self.finish(seq, "abort")
+                return seq
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                return seq
+        return None

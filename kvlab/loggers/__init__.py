@@ -1,6 +1,0 @@
-"""Run loggers: a local record (always) and Weights & Biases (conf/logger/wandb.yaml)."""
-
-from kvlab.loggers.base import Loggers, RunLogger
-from kvlab.loggers.local import LocalLogger
-
-__all__ = ["LocalLogger", "Loggers", "RunLogger"]

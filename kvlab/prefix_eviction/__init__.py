@@ -1,9 +1,0 @@
-"""Prefix-cache eviction policies (registry: kvlab.registry.PREFIX_EVICTIONS)."""
-
-from kvlab.prefix_eviction.arc import ARC
-from kvlab.prefix_eviction.base import PrefixEviction
-from kvlab.prefix_eviction.lfu import LFU
-from kvlab.prefix_eviction.lru import LRU
-from kvlab.prefix_eviction.slru import SLRU
-
-__all__ = ["PrefixEviction", "ARC", "LFU", "LRU", "SLRU"]

@@ -1,6 +1,0 @@
-"""Cache quantisation formats (registry: kvlab.registry.QUANT_FORMATS)."""
-
-from kvlab.quant import auto, cast, fp8, int8, kivi  # noqa: F401  (register)
-from kvlab.quant.base import QuantFormat
-
-__all__ = ["QuantFormat"]

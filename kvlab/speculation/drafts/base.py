@@ -1,0 +1,72 @@
+"""The draft-model interface for speculative decoding (Leviathan et al. 2023, arXiv:2211.17192).
+
+Each engine step a draft proposes a chain of up to `num_tokens` next tokens for every running
+decoding sequence (`propose`); the target verifies them in one forward pass (kvlab/speculation/speculator.py,
+kvlab/speculation/verifier.py). A draft that knows the distribution it drew each token from returns it
+(`Proposal.probs`, needed for lossless rejection sampling with a sampled draft); one that does not
+(n-gram lookup) is treated as a point mass on its token. A tree draft (SpecInfer, arXiv:2305.09781;
+kvlab/speculation/drafts/tree.py) also returns each token's parent (`Proposal.parents`).
+
+Every chain draft has the same length options: `num_tokens` (the starting and, without
+`adaptive`, the fixed draft length), and `adaptive` (per sequence: one more token after a fully
+accepted chain, one fewer after a rejection, between 1 and `max_num_tokens`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvlab.registry import DRAFTS
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvlab.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # drafted continuation, at most the length asked for
+    probs: "torch.Tensor | None" = None  # [len(tokens), V] distribution each token was drawn from; None: point masses
+    parents: list[int] | None = None  # token tree (preorder): parent index of each token, -1 the last committed one
+
+
+@dataclass
+class DraftModel(ABC):
+    """Base class of draft plugins; subclasses are dataclasses of their parameters."""
+
+    num_tokens: int = 4  # tokens drafted per step (the starting length when adaptive)
+    adaptive: bool = False  # grow by one on a fully accepted chain, shrink by one on a rejection
+    max_num_tokens: int = 8  # longest chain when adaptive
+
+    def __post_init__(self) -> None:
+        name = getattr(type(self), "registry_name", type(self).__name__)
+        for key in ("num_tokens", "max_num_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"draft {name}: {key} must be an integer >= 1, got {value!r}")
+        if self.adaptive and self.max_num_tokens < self.num_tokens:
+            raise ValueError(f"draft {name}: max_num_tokens ({self.max_num_tokens}) must be >= num_tokens "
+                             f"({self.num_tokens}) when adaptive")
+
+    def setup(self, engine) -> None:
+        """Check the draft against the target engine (vocabulary, device) and build what it needs;
+        raise a clear error before any request runs."""
+
+    def forget(self, seq_id: int) -> None:
+        """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""
+
+    @abstractmethod
+    def propose(self, seqs: list["Sequence"], lengths: list[int],
+                generators: list["torch.Generator | None"]) -> list[Proposal]:
+        """For each sequence (its committed `token_ids`), a chain of at most `lengths[i]` tokens.
+
+        Sampled requests (`seq.params`) that draw their tokens use `generators[i]` and return the
+        distribution they drew from, with the request's temperature / top-k / top-p applied. `seqs`
+        are all the sequences drafted for this step: per-sequence state of any other may be dropped.
+        """
+
+
+DRAFTS.base = DraftModel

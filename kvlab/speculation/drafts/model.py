@@ -1,0 +1,217 @@
+"""A separate, smaller model drafting for the target (Leviathan et al. 2023, arXiv:2211.17192;
+Chen et al. 2023, arXiv:2302.01318).
+
+The draft shares the target's tokenizer (a different vocabulary is an error: that needs the
+heterogeneous-vocabulary drafts `slem` / `tli` of Timor et al. 2025, arXiv:2502.05202, which
+reuse this machinery through the hooks `_check_vocabulary`, `_context` and `_shadow_len`). It runs inside kvlab's own machinery, batched: a second page pool (`KVCache` +
+`BlockManager` + `ModelRunner`, the draft model on the kvlab_paged attention) holds one shadow
+sequence per drafted request. Each step every shadow is re-synced -- its table rolled back to the
+longest common prefix of the tokens it holds and the request's committed tokens (rejected drafts
+drop out, their pages go back to the draft's pool) -- then one packed forward computes every
+sequence's missing tokens and drafts the first token, and k - 1 more packed forwards draft the
+rest. A shadow whose pages do not fit the draft pool drafts nothing that step (nothing is
+preempted for a draft). Greedy requests draft the draft model's argmax (a point mass); sampled
+requests draw from its distribution with the request's temperature / top-k / top-p and
+generator, and return that distribution as q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.speculation.drafts.base import DraftModel, Proposal
+from kvlab.registry import DRAFTS
+from kvlab.sampler import probabilities
+from kvlab.sequence import Sequence
+
+
+@DRAFTS.register("model")
+@dataclass
+class ModelDraft(DraftModel):
+    """A small model with the target's tokenizer, batched on its own paged KV pool."""
+
+    model: str = "smollm2-135m"  # packaged name, local folder, .gguf file or random:<shape> (kvlab.models)
+    seed: int = 0  # weights seed of a random:<shape> draft (the target's seed gives the target's weights)
+    _runner: object = field(default=None, init=False, repr=False)
+    _shadows: dict = field(default_factory=dict, init=False, repr=False)  # target seq_id -> shadow Sequence
+
+    def setup(self, engine) -> None:
+        self._build_pool(engine, self._draft_model(engine))
+
+    def _draft_model(self, engine) -> torch.nn.Module:
+        """The draft network on the engine's device, on the kvlab_paged attention, vocabulary checked."""
+        from kvlab.engine import attention
+        from kvlab.models import load_model
+
+        cfg = engine.config
+        loaded = load_model(self.model, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.register(),
+                            seed=self.seed)
+        self._check_vocabulary(loaded, engine)
+        return loaded.model.to(cfg.device).eval()
+
+    def _extra_tokens(self) -> int:
+        """Pool room beyond the target's capacity: the drafts of 64 sequences."""
+        return 64 * self.max_num_tokens
+
+    def _build_pool(self, engine, model: torch.nn.Module) -> None:
+        """The draft's own page pool (KVCache + BlockManager + ModelRunner) for `model`."""
+        from kvlab.cache.allocators.paged import PagedAllocator
+        from kvlab.cache.block_manager import BlockManager
+        from kvlab.cache.kv_cache import KVCache
+        from kvlab.engine.llm_engine import layer_groups
+        from kvlab.engine.model_runner import ModelRunner
+        from kvlab.registry import QUANT_FORMATS
+
+        cfg = engine.config
+        dtype = getattr(torch, cfg.dtype)
+        mc = model.config
+        groups = layer_groups(mc)
+        bs, target = cfg.block_size, engine.block_manager
+        # as many tokens as the target's pool holds, plus room for the drafts
+        tokens = target.num_blocks * bs // len(target.groups) + self._extra_tokens()
+        num_blocks = len(groups) * -(-tokens // bs)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim, QUANT_FORMATS.build("auto"), dtype,
+                        cfg.device)
+        # a shadow computes its whole prompt in one pass (max_chunk = the context): admission counts every token
+        self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len, engine.max_model_len)
+        self._runner = ModelRunner(model, cache, self._bm, cfg.device)
+        self._shadows = {}
+        self._max_model_len = engine.max_model_len
+
+    def _check_vocabulary(self, loaded, engine) -> None:
+        check_same_vocabulary(self.model, loaded, engine.config.model, engine.model_config, engine.tokenizer)
+
+    def _context(self, seq: Sequence) -> list[int]:
+        """The token ids the draft model conditions on: the target's own (same vocabulary)."""
+        return seq.token_ids
+
+    def propose(self, seqs, lengths, generators) -> list[Proposal]:
+        drafted, probs = self._draft_chains(seqs, lengths, generators)
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
+
+    def _draft_chains(self, seqs, lengths, generators, allowed: torch.Tensor | None = None):
+        """Up to lengths[i] draft-vocabulary tokens per sequence, in k packed passes -> (tokens,
+        the distributions sampled rows drew them from). `allowed` [V_draft] bool: the only tokens
+        the draft may propose (its distribution restricted to them before temperature / top-k / top-p)."""
+        if self._runner is None:
+            raise RuntimeError(f"draft {self.registry_name!r} was not set up: the engine calls setup(engine) first")
+        live = {s.seq_id for s in seqs}
+        for seq_id in [k for k in self._shadows if k not in live]:
+            self._drop(seq_id)
+        shadows = [self._sync(s) for s in seqs]
+        drafted: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(lengths, default=0)):
+            active = [i for i, (sh, n) in enumerate(zip(shadows, lengths)) if sh is not None and j < n]
+            active = [i for i in active if self._grow(shadows, i)]
+            if not active:
+                break
+            logits = self._forward([shadows[i] for i in active])  # [len(active), V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
+            for row, i in enumerate(active):
+                if seqs[i].params.greedy:
+                    token = int(q[row].argmax())
+                else:
+                    token = int(torch.multinomial(q[row], 1, generator=generators[i]))
+                    probs[i].append(q[row])
+                drafted[i].append(token)
+                shadows[i].token_ids.append(token)
+        return drafted, probs
+
+    # -- the shadow sequences on the draft's pool --------------------------------
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The shadow of `seq`, its cache rolled back to the longest prefix it shares with `seq`'s tokens."""
+        ids = self._context(seq)
+        sh = self._shadows.get(seq.seq_id)
+        if sh is not None:
+            keep = common_prefix(sh.token_ids[:sh.num_computed_tokens], ids, len(ids) - 1)
+            try:
+                self._bm.rollback(sh, sh.num_computed_tokens - keep)
+                sh.num_computed_tokens = keep
+            except ValueError:  # into pages a sliding window released: start over
+                self._drop(seq.seq_id)
+                sh = None
+        if sh is None:
+            sh = Sequence(seq.seq_id, [], seq.params, self._shadow_len(seq, ids), seq.arrival_time)
+            self._shadows[seq.seq_id] = sh
+        sh.token_ids = list(ids)
+        return sh
+
+    def _shadow_len(self, seq: Sequence, ids: list[int]) -> int:
+        """The most tokens the shadow of `seq` will hold (its pages are reserved against it)."""
+        return seq.max_len + self.max_num_tokens
+
+    def _grow(self, shadows: list, i: int) -> bool:
+        """Slots for shadow i's uncomputed tokens; False (and the shadow dropped) if the pool is full."""
+        sh = shadows[i]
+        if self._take_slots(sh):
+            return True
+        self._drop(sh.seq_id)
+        shadows[i] = None
+        return False
+
+    def _take_slots(self, sh: Sequence) -> bool:
+        """Slots in the draft's pool for the shadow's uncomputed tokens (a first allocation or an append);
+        False, and nothing taken, if the pool cannot hold them."""
+        bm, n = self._bm, sh.num_uncomputed_tokens
+        held = bm.key(sh, 0) in bm.allocator.tables
+        if held and bm.can_append(sh, n):
+            bm.append(sh, n)
+            return True
+        if not held and bm.can_allocate(sh):
+            bm.allocate(sh, n)
+            return True
+        return False
+
+    def _forward(self, shadows: list[Sequence]) -> torch.Tensor:
+        from kvlab.engine.scheduler import ScheduledBatch
+
+        batch = ScheduledBatch(list(shadows), [sh.num_uncomputed_tokens for sh in shadows])
+        out = self._runner.run(batch)
+        for sh, n in zip(batch.seqs, batch.num_new_tokens):
+            sh.num_computed_tokens += n
+        for sh in shadows:
+            self._bm.release_out_of_window(sh)
+        rows = torch.tensor([r for _, r in out.sample_rows])
+        return out.logits[rows]  # [B, V], in the order of `shadows`
+
+    def forget(self, seq_id: int) -> None:
+        self._drop(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        sh = self._shadows.pop(seq_id, None)
+        if sh is not None and self._bm.key(sh, 0) in self._bm.allocator.tables:
+            self._bm.free(sh)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of `a` and `b`, at most `limit`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def check_same_vocabulary(draft_name: str, loaded, target_name: str, target_config, target_tokenizer) -> None:
+    """A `model` draft must tokenise exactly as the target does; say which draft to use otherwise."""
+    draft_vocab, target_vocab = loaded.model.config.vocab_size, target_config.vocab_size
+    problem = None
+    if draft_vocab != target_vocab:
+        problem = f"its vocabulary has {draft_vocab} tokens, the target's {target_vocab}"
+    elif (loaded.tokenizer is None) != (target_tokenizer is None):
+        problem = "one of the two has a tokenizer and the other has none"
+    elif loaded.tokenizer is not None and loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        problem = "its tokenizer maps tokens to ids differently"
+    if problem:
+        raise ValueError(
+            f"draft 'model': {draft_name!r} cannot draft for {target_name!r}: {problem}. The 'model' draft "
+            f"needs the target's tokenizer; a draft with a different vocabulary needs the heterogeneous-"
+            f"vocabulary drafts 'slem' or 'tli' (Timor et al. 2025, arXiv:2502.05202): "
+            f"draft='slem' or draft='tli' with the same draft_args")

@@ -1,0 +1,262 @@
+"""Applies the cache policy: after a step, gather a sequence's cached K/V per layer, keep what the
+policy selects, compact the survivors into fewer pages and free the rest (through the block manager).
+
+With a compressing policy the engine gives every layer its own group (its own table), so each layer
+keeps its own tokens and frees its own pages. Sliding-window groups are left alone (their window
+already bounds them, and the window is applied in cache-index space).
+
+Policies that read recent queries (an observation window of `query_window` tokens) get the queries
+of the last `query_window` prompt tokens whatever the chunking, collected over as many prefill
+chunks as they span (and, with `when="decode"`, of the latest decode steps): the kept set never
+depends on what else was in the batch.
+
+When a sequence is compressed (its *compression points*, defined in token time: by how many tokens
+it has computed, never by steps, so a recompute after a preemption or a failed step compresses where
+the first pass did; the scheduler ends every chunk at the next point, `Compressor.next_point`):
+- `when="prefill"`: once, when the last token of its prompt is computed (a scoring request: of its
+  context);
+- `when="chunk"`: after every prefill chunk, the observation window being the chunk's last queries
+  (those of earlier chunks are dropped once a compression has run: their keys may be gone); a chunk
+  never runs past the prompt's end;
+- `when="decode"`: at the prompt's end, then each time `every` more tokens are computed (tokens
+  p + every, p + 2 every, ... for a prompt of p: after every `every` decode steps when decoding one
+  token a step, and at the same tokens when a recompute computes them in chunks).
+
+A sequence's state here (recorded queries, accumulated attention) is dropped when it finishes, is
+aborted, preempted or put back after a failed step (`forget`); a fork (parallel samples) copies it
+(`fork`), so each sample goes on as a separate request would.
+
+With prefix caching, the leading pages a sequence shares (held by another table, or taken from the
+prefix cache: `BlockManager.protected_slots`) are protected: the policy keeps them and its budget
+applies to the rest, so they stay in place, shared. Pages a sequence computed itself are compressed
+as without caching: the allocator copies their survivors into fresh pages and leaves the cached
+originals findable. The block manager stops registering a sequence once it was compacted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.kv_cache import KVCache
+from kvlab.policies.base import Policy
+from kvlab.sequence import Sequence
+
+
+class Compressor:
+    def __init__(self, policy: Policy, block_manager: BlockManager, cache: KVCache, compute_dtype: torch.dtype):
+        self.policy = policy
+        self.bm = block_manager
+        self.cache = cache
+        self.dtype = compute_dtype
+        self.num_layers = sum(len(g.layers) for g in block_manager.groups)
+        self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
+        self.layers: dict[int, list[int]] = {}  # full-attention layer -> its groups (one per KV head with head_budgets)
+        for g in self.groups:
+            self.layers.setdefault(block_manager.groups[g].layers[0], []).append(g)
+        if policy.head_budgets and policy.needs_attention_stats:
+            raise ValueError(f"{type(policy).__name__}: per-head budgets cannot use accumulated attention statistics "
+                             f"yet (the statistics are gathered per layer)")
+        self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
+        self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.calls = 0  # sequences compressed
+        self.seconds = 0.0  # spent scoring, selecting and compacting
+        self.pages_freed = 0  # the pool's pages in use before a compression less after it, summed
+        self.tokens_evicted = 0.0  # cache slots removed per full-attention table, averaged over the tables
+
+    def stats(self) -> dict:
+        """`policy_pages_freed` counts pages of this engine's pool, whose size depends on the layer grouping
+        (a compressing policy gives every layer, or KV head, its own table): compare bytes
+        (`policy_bytes_freed`, added by the engine) or `policy_tokens_evicted` (tokens removed per layer,
+        per KV head with per-head tables, summed over compressions) across configurations."""
+        return {"policy_compressions": self.calls, "policy_s": self.seconds, "policy_pages_freed": self.pages_freed,
+                "policy_tokens_evicted": self.tokens_evicted}
+
+    # -- compression points (torch-free: the scheduler asks them) ------------------
+    def next_point(self, seq: Sequence) -> int | None:
+        """The computed-token count at which `seq` is next compressed (a chunk must not run past it), or
+        None: its prompt's end while in prefill, then with when="decode" every `every` tokens after it."""
+        return self._point(_prompt_end(seq), seq.num_computed_tokens)
+
+    def _point(self, prompt_end: int, done: int) -> int | None:
+        if done < prompt_end:
+            return prompt_end
+        if self.policy.when != "decode":
+            return None
+        every = self.policy.every
+        return prompt_end + every * ((done - prompt_end) // every + 1)
+
+    def query_rows(self, seq: Sequence, num_new_tokens: int) -> int:
+        """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
+        w = self.policy.query_window
+        if not w:
+            return 0
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+        prompt_end = _prompt_end(seq)
+        if start < prompt_end:  # with when="chunk" every chunk is compressed: the window ends with the chunk
+            window_end = min(end, prompt_end) if self.policy.when == "chunk" else prompt_end
+            return max(0, end - max(start, window_end - w))
+        return min(num_new_tokens, w) if self.policy.when == "decode" else 0
+
+    def due(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step? (Every prefill
+        chunk with when="chunk"; otherwise when the chunk reaches the sequence's next compression point.)"""
+        start = seq.num_computed_tokens
+        if start < _prompt_end(seq) and self.policy.when == "chunk":
+            return True
+        point = self.next_point(seq)
+        return point is not None and start + num_new_tokens >= point
+
+    @torch.inference_mode()
+    def after_step(self, seqs: list[Sequence], num_new_tokens: list[int], due: list[bool],
+                   queries: dict[int, list[torch.Tensor]], stats: dict[int, torch.Tensor] | None = None) -> None:
+        """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]) and attention
+        mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due."""
+        if stats:
+            self._accumulate(seqs, num_new_tokens, stats)
+        for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
+            if self.policy.query_window and queries:
+                self._record_queries(seq, n, [(layer, q[i]) for layer, q in queries.items()])
+            if is_due:
+                self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
+            if self.next_point(seq) is None:  # compressed for the last time: nothing here is read again
+                self.forget(seq)
+
+    def _record_queries(self, seq: Sequence, n: int, queries: list[tuple[int, torch.Tensor]]) -> None:
+        """Keep the latest `query_window` queries of every layer ([n_i, Hq, D] each, this step's rows)."""
+        w = self.policy.query_window
+        if seq.num_computed_tokens - n == self.bm.num_hit_tokens(seq):  # a first chunk (also after a
+            # preemption, or after a prefix-cache hit): start afresh
+            self._queries.pop(seq.seq_id, None)
+        elif self.policy.when == "chunk" and seq.num_computed_tokens - n < _prompt_end(seq):
+            self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
+        for layer, q in queries:
+            if q.shape[0]:
+                kept = self._queries.setdefault(seq.seq_id, {})
+                kept[layer] = torch.cat([kept[layer], q])[-w:] if layer in kept else q[-w:]
+
+    def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor]) -> None:
+        """Add the step's attention mass to each cached key's running total (H2O's accumulated attention)."""
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
+                self._mass.pop(seq.seq_id, None)
+            if self._point(_prompt_end(seq), seq.num_computed_tokens - n) is None:  # compressed for good
+                continue
+            mass = self._mass.setdefault(seq.seq_id, {})
+            for g in self.groups:
+                layer = self.bm.groups[g].layers[0]
+                length = self.bm.cached_lens([seq], g)[0]
+                step = stats[layer][i, :, :length].T.float().clone()  # [cached, Hkv] (not a view of the batch's)
+                old = mass.get(layer)
+                if old is not None:
+                    step[: old.shape[0]] += old
+                mass[layer] = step
+
+    def compress(self, seq: Sequence, queries: dict[int, torch.Tensor],
+                 mass: dict[int, torch.Tensor] | None = None) -> int:
+        """Compress every full-attention layer of `seq`; returns the pages freed."""
+        mass = mass if mass is not None else {}
+        t0 = time.perf_counter()
+        before = self.bm.num_used_blocks()
+        cached = self._cached_slots(seq)
+        self.policy.begin(seq.num_computed_tokens)
+        for layer, groups in self.layers.items():
+            if len(groups) > 1:  # a table per KV head: each head keeps its own number of tokens
+                self._compress_heads(seq, layer, groups, queries)
+                continue
+            g = groups[0]
+            keys, values = self.gather(seq, g, layer)
+            protected = self.bm.protected_slots(seq, g)
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer),
+                                      **_protect(protected))
+            if keep is None:
+                continue
+            if keep and isinstance(keep[0], list):  # a kept list per KV head
+                self._compact_per_head(seq, g, keep, protected)
+            else:
+                self.cache.move_slots(self.bm.compact(seq, g, keep))
+            if layer in mass:  # the running totals follow their keys
+                index = torch.tensor(keep, dtype=torch.long, device=mass[layer].device)
+                mass[layer] = mass[layer].gather(0, index.T) if index.ndim == 2 else mass[layer][index]
+        freed = before - self.bm.num_used_blocks()
+        self.calls += 1
+        self.pages_freed += freed
+        self.tokens_evicted += (cached - self._cached_slots(seq)) / len(self.groups)
+        self.seconds += time.perf_counter() - t0
+        return freed
+
+    def _compress_heads(self, seq: Sequence, layer: int, groups: list[int], queries: dict[int, torch.Tensor]) -> None:
+        """One layer whose KV heads have tables of their own (groups[h] holds head h)."""
+        parts = [self.gather(seq, g, layer) for g in groups]  # per head ([L_h, 1, D], [L_h, 1, D])
+        if len({k.shape[0] for k, _ in parts}) != 1:
+            raise RuntimeError(f"layer {layer}: KV heads hold different numbers of tokens "
+                               f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
+        keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
+        protected = min(self.bm.protected_slots(seq, g) for g in groups)
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None, **_protect(protected))
+        if keep is None:
+            return
+        per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
+        for g, kept in zip(groups, per_head):
+            self.cache.move_slots(self.bm.compact(seq, g, kept))
+
+    def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]], protected: int = 0) -> None:
+        """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many
+        slots (the pages after them are freed) and head h's survivors move into them, in order. The first
+        `protected` indices (every head keeps them in place) are not moved."""
+        n, m = self.bm.cached_lens([seq], group)[0], len(keep[0])
+        if any(len(k) != m for k in keep):
+            raise ValueError(f"{type(self.policy).__name__}.select kept {[len(k) for k in keep]} tokens per KV head: "
+                             f"a layer's heads must keep as many (per-head budgets need head_budgets = True)")
+        device = self.cache.k(self.bm.groups[group].layers[0]).device
+        old = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=device)  # [n]
+        # the table's new layout: its pages up to `protected` stay as they are, every later one is written
+        # (an index shifted by one there tells the allocator so); the moves are the per-head ones below
+        self.bm.compact(seq, group, list(range(protected)) + list(range(protected + 1, m + 1)))
+        new = torch.tensor(self.bm.slot_ids(seq, group, protected, m), dtype=torch.long, device=device)  # [m - p]
+        src = old[torch.tensor(keep, dtype=torch.long, device=device)[:, protected:]]  # [Hkv, m - p]
+        self.cache.move_head_slots(src, new)
+
+    def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""
+        n = self.bm.cached_lens([seq], group)[0]
+        slots = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=self.cache.k(layer).device)
+        return self.cache.read_slots(layer, slots, self.dtype)  # dequantised, whatever the format
+
+    def _cached_slots(self, seq: Sequence) -> int:
+        """Slots `seq` caches over the compressed (full-attention) tables."""
+        return sum(self.bm.cached_lens([seq], g)[0] for g in self.groups)
+
+    # -- per-sequence state ----------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` was forked from `parent` (sharing its pages): it starts from the parent's recorded queries
+        and accumulated attention (the tensors are never written in place, so they are shared)."""
+        if parent.seq_id in self._queries:
+            self._queries[child.seq_id] = dict(self._queries[parent.seq_id])
+        if parent.seq_id in self._mass:
+            self._mass[child.seq_id] = dict(self._mass[parent.seq_id])
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished, was aborted, preempted or put back after a failed step: drop its state."""
+        self._queries.pop(seq.seq_id, None)
+        self._mass.pop(seq.seq_id, None)
+
+    def num_tracked(self) -> int:
+        """Sequences this compressor keeps state for (a test that nothing leaks reads it)."""
+        return len(self._queries.keys() | self._mass.keys())
+
+
+def _prompt_end(seq: Sequence) -> int:
+    """Tokens before the first compression point: the prompt (a scoring request: its context)."""
+    return seq.score_from if seq.is_scoring else seq.num_prompt_tokens
+
+
+def _protect(protected: int) -> dict:
+    """select()'s `protected` keyword, passed only when some pages are shared (prefix caching), so policies
+    and wrappers written before it keep working without prefix caching."""
+    return {"protected": protected} if protected else {}
