@@ -51,7 +51,7 @@ def speculative(draft, args, batch, max_tokens, block_size=16, sampling=None, **
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
     if draft != "slrs":  # the draft's own pool too
-        dbm = llm.engine.draft._bm
+        dbm = llm.engine.draft._pool.block_manager
         assert dbm.allocator.num_free_blocks == dbm.num_blocks, "draft pages leaked"
     return [o.token_ids for o in outs], llm.stats()
 
@@ -164,7 +164,7 @@ def test_greedy_matches_plain_under_preemption(draft):
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
     if draft != "slrs":
-        dbm = llm.engine.draft._bm
+        dbm = llm.engine.draft._pool.block_manager
         assert dbm.allocator.num_free_blocks == dbm.num_blocks, "draft pages leaked"
 
 
@@ -174,14 +174,14 @@ def test_full_draft_pool_drafts_less_and_recovers(draft):
     fit draft nothing that step; the output is still plain greedy's and, the hog gone, every page is back."""
     batch = prompts(4, seed=4)
     llm = LLM(MODEL, block_size=4, kv_cache_memory="4MiB", draft=draft, draft_args={**ALIGNED, "num_tokens": 3})
-    allocator = llm.engine.draft._bm.allocator
+    allocator = llm.engine.draft._pool.block_manager.allocator
     hog = 10**6
     allocator.allocate(hog, (allocator.num_free_blocks - 3) * 4, 10**9)
     outs = llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain(batch, 12, ignore_eos=True)
     assert llm.stats()["spec_drafted_tokens"] > 0
     allocator.free(hog)
-    assert allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
+    assert allocator.num_free_blocks == llm.engine.draft._pool.block_manager.num_blocks
 
 
 ADAPTIVE = [("slem", 1, 6), ("tli", 1, 6), ("slrs", 1, 2)]  # slrs: 2 tokens is its cap on the toys

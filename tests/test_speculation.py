@@ -49,7 +49,8 @@ def speculative(draft, batch, max_tokens, engine=None, model=MODEL, **params):
     bm = llm.engine.block_manager
     assert bm.allocator.num_free_blocks == bm.num_blocks, "pages leaked"
     if draft[0] == "model":  # the draft's own pool too
-        assert llm.engine.draft._bm.allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
+        dbm = llm.engine.draft._pool.block_manager
+        assert dbm.allocator.num_free_blocks == dbm.num_blocks
     return [o.token_ids for o in outs], llm.stats(), llm
 
 
@@ -203,11 +204,11 @@ def test_model_draft_resyncs_its_pages_after_partial_acceptance():
         tokens = draft.propose([seq], [4], [None])[0].tokens
         fresh.forget(0)
         assert tokens == fresh.propose([seq], [4], [None])[0].tokens
-        bm, shadow = draft._bm, draft._shadows[0]
+        bm, shadow = draft._pool.block_manager, draft._shadows[0]
         assert shadow.num_computed_tokens == seq.num_tokens + 3  # committed + all drafts but the last
         assert bm.allocator.num_used_blocks == -(-shadow.num_computed_tokens // 4)
     draft.forget(0)
-    assert draft._bm.allocator.num_free_blocks == draft._bm.num_blocks
+    assert draft._pool.block_manager.allocator.num_free_blocks == draft._pool.block_manager.num_blocks
 
 
 def two_sample_chi_square(a: list, b: list) -> tuple[float, int]:

@@ -122,7 +122,7 @@ def test_layerskip_greedy_matches_plain_decoding(batch_size, block_size):
     batch = prompts(batch_size)
     got, stats, llm = run(LAYERSKIP, batch, 14, {"block_size": block_size}, ignore_eos=True)
     assert got == plain(batch, 14, ignore_eos=True) and stats["spec_drafted_tokens"] > 0
-    draft = llm.engine.draft._runner.model
+    draft = llm.engine.draft._pool.runner.model
     assert draft.config.num_hidden_layers == 1 and len(draft.model.layers) == 1
     assert draft.model.layers[0] is llm.engine.model.model.layers[0]  # a view: no weights copied
     assert llm.engine.model.config.num_hidden_layers == 2 and len(llm.engine.model.model.layers) == 2
@@ -239,14 +239,14 @@ def test_tree_draft_with_a_full_pool_drafts_less_and_recovers():
     still plain greedy's and, the hog gone, every page is back."""
     batch = prompts(4)
     llm = LLM(MODEL, draft=SELF[0], draft_args=SELF[1], block_size=4, kv_cache_memory="4MiB")
-    allocator = llm.engine.draft._bm.allocator
+    allocator = llm.engine.draft._pool.block_manager.allocator
     hog = 10**6
     allocator.allocate(hog, (allocator.num_free_blocks - 6) * 4, 10**9)
     outs = llm.generate(batch, SamplingParams(max_tokens=14, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain(batch, 14, ignore_eos=True)
     assert llm.stats()["spec_tree_nodes"] > 0
     allocator.free(hog)
-    assert allocator.num_free_blocks == llm.engine.draft._bm.num_blocks
+    assert allocator.num_free_blocks == llm.engine.draft._pool.block_manager.num_blocks
 
 
 @pytest.mark.model

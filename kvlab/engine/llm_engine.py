@@ -20,7 +20,8 @@ import torch
 
 from kvlab.engine import attention
 from kvlab.cache.allocators.base import Allocator
-from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
+from kvlab.cache.block_manager import BlockManager, LayerGroup
+from kvlab.engine.build import PrivatePools, head_dim_of, layer_groups
 from kvlab.policies.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
@@ -40,20 +41,6 @@ from kvlab.sequence import Sequence
 from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
 from kvlab.speculation.speculator import Speculator
 from kvlab.stop_strings import StopStrings
-
-
-def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
-    """Layers grouped by attention kind (full, or a sliding window: Gemma 2/3, Mistral) into groups of
-    equal size, so that every page of the shared pool has one size; `per_layer`: one layer a group;
-    `per_head`: one (layer, KV head) a group (a model with one KV head needs no split)."""
-    n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
-    heads = config.num_key_value_heads if per_head and config.num_key_value_heads > 1 else None
-    return equal_groups([int(window) if t == "sliding_attention" and window else None for t in types],
-                        1 if per_layer or heads else None, heads)
 
 
 def as_token_ids(ids) -> list[int]:
@@ -143,7 +130,7 @@ class LLMEngine:
 
         groups = layer_groups(mc, per_layer=self.policy.compresses, per_head=self.policy.head_budgets)
         num_kv_heads = mc.num_key_value_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        head_dim = head_dim_of(mc)
         self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
         per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
         _, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
@@ -191,6 +178,8 @@ class LLMEngine:
         if self.compressor or self.cache.sparse_read is not None:
             self.scheduler.stop_at = self._chunk_end  # so that a recompute rebuilds what the first pass did
         self.speculator = None
+        # a plugin with a model of its own gets it, and a pool for it, through this (kvlab/engine/build.py)
+        self.private_pools = PrivatePools(config, self.block_manager, self.max_model_len)
         if self.draft is not None:
             self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
             self.speculator = Speculator(self.draft, mc.vocab_size, self.cache, self.block_manager)

@@ -34,52 +34,25 @@ class ModelDraft(DraftModel):
 
     model: str = "smollm2-135m"  # packaged name, local folder, .gguf file or random:<shape> (kvlab.models)
     seed: int = 0  # weights seed of a random:<shape> draft (the target's seed gives the target's weights)
-    _runner: object = field(default=None, init=False, repr=False)
+    _pool: object = field(default=None, init=False, repr=False)  # kvlab.engine.build.PrivatePool
     _shadows: dict = field(default_factory=dict, init=False, repr=False)  # target seq_id -> shadow Sequence
 
     def setup(self, engine) -> None:
-        self._build_pool(engine, self._draft_model(engine))
+        # the model and its pool come from the engine (`engine.private_pools`): a plugin imports neither
+        pools = engine.private_pools
+        self._pool = pools.pool(self._draft_model(engine), self._extra_tokens())
+        self._shadows = {}
+        self._max_model_len = pools.max_model_len
 
     def _draft_model(self, engine) -> torch.nn.Module:
         """The draft network on the engine's device, on the kvlab_paged attention, vocabulary checked."""
-        from kvlab.engine import attention
-        from kvlab.models import load_model
-
-        cfg = engine.config
-        loaded = load_model(self.model, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.register(),
-                            seed=self.seed)
+        loaded = engine.private_pools.load_model(self.model, self.seed)
         self._check_vocabulary(loaded, engine)
-        return loaded.model.to(cfg.device).eval()
+        return loaded.model
 
     def _extra_tokens(self) -> int:
         """Pool room beyond the target's capacity: the drafts of 64 sequences."""
         return 64 * self.max_num_tokens
-
-    def _build_pool(self, engine, model: torch.nn.Module) -> None:
-        """The draft's own page pool (KVCache + BlockManager + ModelRunner) for `model`."""
-        from kvlab.cache.allocators.paged import PagedAllocator
-        from kvlab.cache.block_manager import BlockManager
-        from kvlab.cache.kv_cache import KVCache
-        from kvlab.engine.llm_engine import layer_groups
-        from kvlab.engine.model_runner import ModelRunner
-        from kvlab.registry import QUANT_FORMATS
-
-        cfg = engine.config
-        dtype = getattr(torch, cfg.dtype)
-        mc = model.config
-        groups = layer_groups(mc)
-        bs, target = cfg.block_size, engine.block_manager
-        # as many tokens as the target's pool holds, plus room for the drafts
-        tokens = target.num_blocks * bs // len(target.groups) + self._extra_tokens()
-        num_blocks = len(groups) * -(-tokens // bs)
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim, QUANT_FORMATS.build("auto"), dtype,
-                        cfg.device)
-        # a shadow computes its whole prompt in one pass (max_chunk = the context): admission counts every token
-        self._bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, engine.max_model_len, engine.max_model_len)
-        self._runner = ModelRunner(model, cache, self._bm, cfg.device)
-        self._shadows = {}
-        self._max_model_len = engine.max_model_len
 
     def _check_vocabulary(self, loaded, engine) -> None:
         check_same_vocabulary(self.model, loaded, engine.config.model, engine.model_config, engine.tokenizer)
@@ -96,7 +69,7 @@ class ModelDraft(DraftModel):
         """Up to lengths[i] draft-vocabulary tokens per sequence, in k packed passes -> (tokens,
         the distributions sampled rows drew them from). `allowed` [V_draft] bool: the only tokens
         the draft may propose (its distribution restricted to them before temperature / top-k / top-p)."""
-        if self._runner is None:
+        if self._pool is None:
             raise RuntimeError(f"draft {self.registry_name!r} was not set up: the engine calls setup(engine) first")
         live = {s.seq_id for s in seqs}
         for seq_id in [k for k in self._shadows if k not in live]:
@@ -131,7 +104,7 @@ class ModelDraft(DraftModel):
         if sh is not None:
             keep = common_prefix(sh.token_ids[:sh.num_computed_tokens], ids, len(ids) - 1)
             try:
-                self._bm.rollback(sh, sh.num_computed_tokens - keep)
+                self._pool.rollback(sh, sh.num_computed_tokens - keep)
                 sh.num_computed_tokens = keep
             except ValueError:  # into pages a sliding window released: start over
                 self._drop(seq.seq_id)
@@ -156,37 +129,19 @@ class ModelDraft(DraftModel):
         return False
 
     def _take_slots(self, sh: Sequence) -> bool:
-        """Slots in the draft's pool for the shadow's uncomputed tokens (a first allocation or an append);
-        False, and nothing taken, if the pool cannot hold them."""
-        bm, n = self._bm, sh.num_uncomputed_tokens
-        held = bm.key(sh, 0) in bm.allocator.tables
-        if held and bm.can_append(sh, n):
-            bm.append(sh, n)
-            return True
-        if not held and bm.can_allocate(sh):
-            bm.allocate(sh, n)
-            return True
-        return False
+        """Slots in the draft's pool for the shadow's uncomputed tokens; False, and nothing taken, if they do not fit."""
+        return self._pool.take_slots(sh)
 
     def _forward(self, shadows: list[Sequence]) -> torch.Tensor:
-        from kvlab.engine.scheduler import ScheduledBatch
-
-        batch = ScheduledBatch(list(shadows), [sh.num_uncomputed_tokens for sh in shadows])
-        out = self._runner.run(batch)
-        for sh, n in zip(batch.seqs, batch.num_new_tokens):
-            sh.num_computed_tokens += n
-        for sh in shadows:
-            self._bm.release_out_of_window(sh)
-        rows = torch.tensor([r for _, r in out.sample_rows])
-        return out.logits[rows]  # [B, V], in the order of `shadows`
+        return self._pool.forward(shadows)  # [B, V], in the order of `shadows`
 
     def forget(self, seq_id: int) -> None:
         self._drop(seq_id)
 
     def _drop(self, seq_id: int) -> None:
         sh = self._shadows.pop(seq_id, None)
-        if sh is not None and self._bm.key(sh, 0) in self._bm.allocator.tables:
-            self._bm.free(sh)
+        if sh is not None:
+            self._pool.free(sh)
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -108,7 +108,7 @@ class TreeDraft(ModelDraft):
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
         """`lengths[i]`: at most that many nodes for sequence i (the tree is cut to a preorder prefix
         by the engine); the tree's depth is at most that too."""
-        if self._runner is None:
+        if self._pool is None:
             raise RuntimeError("draft 'tree' was not set up: the engine calls setup(engine) first")
         live = {s.seq_id for s in seqs}
         for seq_id in [k for k in self._shadows if k not in live]:
@@ -139,7 +139,7 @@ class TreeDraft(ModelDraft):
                 open_ = grown
         finally:
             for fork in forks:
-                self._bm.free(fork)
+                self._pool.free(fork)
         return [self._proposal(n, q) for n, q in zip(nodes, qs)]
 
     def _children(self, logits: torch.Tensor, q: torch.Tensor, width: int, greedy: bool, generator) -> list[int]:
@@ -154,7 +154,7 @@ class TreeDraft(ModelDraft):
         """A branch sharing every page of `sh` (which has computed all its tokens)."""
         child = Sequence(next(self._fork_ids), list(sh.token_ids), sh.params, sh.max_len, sh.arrival_time)
         child.num_computed_tokens = sh.num_computed_tokens
-        self._bm.fork(sh, child)
+        self._pool.fork(sh, child)
         forks.append(child)
         return child
 
