@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.attention_plan import AttentionPlan, plan_paged_attention
-from kvlab.kernels.reference.paged_attention import attention_logits, plan_parts
+from kvlab.kernels.reference.attention_parts import attention_logits, plan_parts
 from kvlab.kernels.reference.store_kv import read_blocks
 
 
