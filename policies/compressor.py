@@ -56,9 +56,6 @@ class Compressor:
         self.layers: dict[int, list[int]] = {}  # full-attention layer -> its groups (one per KV head with head_budgets)
         for g in self.groups:
             self.layers.setdefault(block_manager.groups[g].layers[0], []).append(g)
-        if policy.head_budgets and policy.needs_attention_stats:
-            raise ValueError(f"{type(policy).__name__}: per-head budgets cannot use accumulated attention statistics "
-                             f"yet (the statistics are gathered per layer)")
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
         self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
         self.reset_stats()

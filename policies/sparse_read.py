@@ -274,15 +274,8 @@ class SparseStep:
 
 
 def check_engine(policy, config) -> None:
-    """Refuse, before any work starts, a sparse-reading policy with what it does not support yet."""
+    """A sparse-reading policy's budget checked against the block size before any work starts (what it
+    cannot run with is in kvlab/engine/capabilities.py)."""
     if not isinstance(policy, SparseReadPolicy):
         return
-    name = config.policy
-    if getattr(policy, "needs_attention_stats", False):
-        raise NotImplementedError(f"policy {name!r} reads selected pages at decode and asks for attention "
-                                  f"statistics; the statistics of a reduced read are not collected yet")
-    if config.draft is not None:
-        raise NotImplementedError(f"policy {name!r} reads selected pages at decode; speculative decoding "
-                                  f"(draft={config.draft!r}) verifies several tokens a step, which the sparse "
-                                  f"read does not handle yet: leave draft=None")
     policy.pages_read(config.block_size)

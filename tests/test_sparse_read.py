@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +23,7 @@ from kvlab.cache.block_manager import equal_groups  # noqa: E402
 from kvlab.kernels import ops  # noqa: E402
 from kvlab.cache.kv_cache import KVCache  # noqa: E402
 from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
-from kvlab.policies.sparse_read import SparseRead, SparseStep, check_engine  # noqa: E402
+from kvlab.policies.sparse_read import SparseRead, SparseStep  # noqa: E402
 from kvlab.testing import check_policy  # noqa: E402
 
 HKV, G, D, BS = 2, 2, 16, 4
@@ -300,6 +299,5 @@ def test_bad_sparse_policy_input_fails_before_the_model_loads(name, args, messag
 
 
 def test_sparse_policy_with_speculation_is_refused():
-    config = SimpleNamespace(policy="quest", draft="some-draft", block_size=16)
-    with pytest.raises(NotImplementedError, match="speculative decoding"):
-        check_engine(POLICIES.build("quest", budget=64), config)
+    with pytest.raises(NotImplementedError, match="speculative decoding"):  # before the (missing) model loads
+        LLM("does-not-exist", policy="quest", policy_args={"budget": 64}, draft="ngram", block_size=16)

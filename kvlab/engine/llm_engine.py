@@ -10,7 +10,7 @@ sliding-window attention), and wires the plugins named in the config
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 import numbers
 import time
@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 
 from kvlab.engine import attention
-from kvlab.cache.allocators.base import Allocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.engine.build import PrivatePools, head_dim_of, layer_groups
 from kvlab.policies.compressor import Compressor
@@ -39,6 +38,7 @@ from kvlab.sampling_params import SamplingParams, as_sampling_params
 from kvlab.engine.scheduler import Scheduler
 from kvlab.sequence import Sequence
 from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
+from kvlab.engine.capabilities import capabilities, check
 from kvlab.speculation.speculator import Speculator
 from kvlab.stop_strings import StopStrings
 
@@ -61,15 +61,6 @@ def as_token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def check_backend_reads(quant, config: EngineConfig) -> None:
-    """A cache format the chosen kernel backend cannot read is an error before the model loads."""
-    cuda = torch.device(config.device).type == "cuda"
-    backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
-    if backend not in quant.backends:
-        raise ValueError(f"quant={config.quant!r}: the {backend} kernel backend cannot read this cache format "
-                         f"(it is read by: {', '.join(quant.backends)}); set kernel_backend='torch'")
-
-
 def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> tuple[int, int]:
     """(rows, bytes) of a residual area paid for before the pages: none. A format with a residual window
@@ -82,32 +73,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         load_plugins()
         self.config = config
-        # resolve every plugin before the (slow) model load so bad names fail at once
+        # resolve every plugin before the (slow) model load so bad names fail at once, then refuse what
+        # cannot run together (kvlab/engine/capabilities.py: the one table of refused combinations)
         allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
         self.policy = POLICIES.build(config.policy, **config.policy_args)
         self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
-        if isinstance(self.policy, SparseReadPolicy) and getattr(self.quant, "packed", False):
-            raise ValueError(f"policy {config.policy!r} reads selected pages through key summaries that packed "
-                             f"formats do not keep yet; use quant {config.quant!r} without {config.policy!r}, or an "
-                             f"unpacked format (fp32, bf16, fp16, or fp8_e4m3 / fp8_e5m2 with quant_args "
-                             f"{{'scaling': 'fixed'}})")
-        check_engine(self.policy, config)
-        if self.policy.compresses and type(allocator).compact is Allocator.compact:
-            raise ValueError(f"policy {config.policy!r} compacts block tables, which the {config.allocator!r} allocator "
-                             f"cannot do (it has no compact()); use allocator 'paged' or 'contiguous'")
         PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
-        if config.enable_prefix_caching:
-            self._check_prefix_caching(config)
         self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
-        if self.draft is not None and self.policy.compresses:
-            raise ValueError(f"draft {config.draft!r} with policy {config.policy!r}: speculative decoding does not "
-                             f"run with a compressing policy yet (tentative slots and compaction share cache "
-                             f"indices); use policy='full' or draft=None")
-        if self.draft is not None and config.enable_prefix_caching:
-            raise ValueError(f"draft {config.draft!r} with enable_prefix_caching is not supported yet (committed "
-                             f"tokens alone should be hashed, which nothing checks yet); use one or the other")
+        self.capabilities = capabilities(config, self.policy, self.quant, type(allocator), self.draft)
+        check(self.capabilities)
+        check_engine(self.policy, config)
         ops.set_backend(config.kernel_backend)
-        check_backend_reads(self.quant, config)
         dtype = getattr(torch, config.dtype)
         impl = attention.register()
         if loaded is None:
@@ -209,20 +185,6 @@ class LLMEngine:
         num_layers = sum(len(g.layers) for g in groups)
         return lambda g, n: self.policy.layer_budget(groups[g].layers[0], num_layers, n)
 
-    def _check_prefix_caching(self, config: EngineConfig) -> None:
-        """Prefix caching with a feature it does not support yet: a clear error before the model loads."""
-        if self.policy.compresses and self.policy.needs_attention_stats:
-            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: it ranks "
-                             f"keys by the attention every query paid them, and a prefix hit skips the queries of "
-                             f"the tokens it reuses; use a policy without accumulated attention statistics")
-        if self.policy.compresses and "protected" not in inspect.signature(self.policy.select).parameters:
-            raise ValueError(f"enable_prefix_caching with policy {config.policy!r} is not supported yet: its select() "
-                             f"takes no `protected` argument (the leading cache indices in shared pages, which it "
-                             f"must keep); see kvlab.policies.base.Policy.select")
-        if not hasattr(ALLOCATORS.get(config.allocator), "allocate_cached"):
-            raise ValueError(f"enable_prefix_caching with allocator {config.allocator!r} is not supported yet; "
-                             f"use allocator='paged'")
-
     def _new_metrics(self) -> Metrics:
         bm = self.block_manager
         # waste is measured on the full-attention groups' pages (those that grow with the sequence)
@@ -232,9 +194,7 @@ class LLMEngine:
     def check_params(self, params) -> SamplingParams:
         """`params` if this engine can run them; else an error naming what cannot run (before any step)."""
         params = as_sampling_params(params)
-        if params.n > 1 and self.speculator is not None:
-            raise ValueError(f"SamplingParams(n={params.n}) with draft {self.config.draft!r} is not supported yet "
-                             f"(forked samples would share tentative slots); use n=1 or draft=None")
+        check(dataclasses.replace(self.capabilities, samples=params.n), "request")
         vocab = self.model_config.vocab_size
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:

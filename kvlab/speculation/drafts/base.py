@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kvlab.registry import DRAFTS
 
@@ -36,6 +36,10 @@ class Proposal:
 @dataclass
 class DraftModel(ABC):
     """Base class of draft plugins; subclasses are dataclasses of their parameters."""
+
+    # capabilities (kvlab/engine/capabilities.py): the accepted tokens' KV is moved into place slot by slot
+    # (a token tree's accepted path), which packed pages do not support
+    moves_kv_slots: ClassVar[bool] = False
 
     num_tokens: int = 4  # tokens drafted per step (the starting length when adaptive)
     adaptive: bool = False  # grow by one on a fully accepted chain, shrink by one on a rejection

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -65,6 +66,7 @@ class TreeDraft(ModelDraft):
     """A token tree of the draft's top-`width` branches (or `width` i.i.d. samples) on the first
     `branch_levels` levels, chains below, `depth` levels in all."""
 
+    moves_kv_slots: ClassVar[bool] = True  # the accepted path's KV moves to the committed positions
     num_tokens: int = field(default=1, init=False)  # the node count (set from the shape)
     max_num_tokens: int = field(default=1, init=False)
     model: str | None = None  # drafting model (as for 'model'); None: the target's first `layers` layers
@@ -87,13 +89,6 @@ class TreeDraft(ModelDraft):
         # the node count is the draft length the engine budgets (tentative slots, the token budget)
         self.num_tokens = self.max_num_tokens = sum(expansion_sizes(self.width, self.depth, self.branch_levels))
         super().__post_init__()
-
-    def setup(self, engine) -> None:
-        if getattr(engine.quant, "packed", False):
-            raise ValueError(f"draft tree with quant {engine.config.quant!r}: the accepted path's KV is moved into "
-                             f"place slot by slot, which packed pages do not support yet; use an unpacked format "
-                             f"(fp32, bf16, fp16, or fp8 with scaling='fixed')")
-        super().setup(engine)
 
     def _draft_model(self, engine) -> torch.nn.Module:
         if self.model is None:

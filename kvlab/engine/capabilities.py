@@ -1,0 +1,166 @@
+"""What each plugin needs and supports, and the one table of combinations the engine refuses.
+
+A plugin declares its capabilities as attributes of its own class (a policy's `compresses`,
+`needs_attention_stats`, `head_budgets`, a `select` taking `protected`, the `SparseReadPolicy` mix-in;
+a format's `packed` and `backends`; an allocator's `compact` and `allocate_cached`; a draft's
+`moves_kv_slots`). `capabilities(...)` reads them into named flags, and `REFUSED` is every combination
+that cannot run yet, each with the reason and the way out; `check(...)` raises the first that applies,
+before the model loads (the `request` ones when a request is made). The design note's list of refused
+combinations is `refused_markdown()` (tests/test_capabilities.py holds them equal).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvlab.cache.allocators.base import Allocator
+from kvlab.policies.sparse_read import SparseReadPolicy
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A configuration's plugins, as flags (and the names to quote in an error)."""
+
+    policy: str
+    quant: str
+    allocator: str
+    draft: str | None
+    compacts: bool  # the policy compacts block tables (it evicts or compresses tokens)
+    accumulated_attention: bool  # the policy ranks keys by the attention every query paid them
+    head_budgets: bool  # the policy keeps a budget per KV head
+    protects_shared_pages: bool  # the policy's select() takes `protected` (leading indices in shared pages)
+    sparse_read: bool  # the policy reads only selected pages at decode
+    packed: bool  # the format packs several tokens' codes and scales into a page
+    backends: tuple[str, ...]  # kernel backends that read the format
+    allocator_compacts: bool  # the allocator has compact()
+    allocator_shares_cached: bool  # the allocator shares cached pages (allocate_cached)
+    moves_kv_slots: bool  # the draft moves an accepted path's KV into place slot by slot (token trees)
+    prefix_caching: bool
+    backend: str  # the kernel backend this configuration runs: 'triton' or 'torch'
+    samples: int = 1  # a request's SamplingParams.n (the request-time rows)
+
+
+def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilities:
+    cuda = torch.device(config.device).type == "cuda"
+    backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
+    return Capabilities(
+        policy=config.policy, quant=config.quant, allocator=config.allocator, draft=config.draft,
+        compacts=bool(policy.compresses),
+        accumulated_attention=bool(policy.needs_attention_stats),
+        head_budgets=bool(policy.head_budgets),
+        protects_shared_pages="protected" in inspect.signature(policy.select).parameters,
+        sparse_read=isinstance(policy, SparseReadPolicy),
+        packed=bool(getattr(quant, "packed", False)),
+        backends=tuple(quant.backends),
+        allocator_compacts=allocator_cls.compact is not Allocator.compact,
+        allocator_shares_cached=hasattr(allocator_cls, "allocate_cached"),
+        moves_kv_slots=bool(getattr(draft, "moves_kv_slots", False)),
+        prefix_caching=bool(config.enable_prefix_caching),
+        backend=backend,
+    )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination that cannot run yet: when it `applies`, `error` says why and what to do instead."""
+
+    name: str  # the combination, as the design note lists it
+    why: str  # the reason, in a few words, for the design note
+    applies: Callable[[Capabilities], bool]
+    message: Callable[[Capabilities], str]
+    kind: type[Exception] = ValueError
+    when: str = "build"  # 'build': before the model loads; 'request': when a request asks for it (n > 1)
+
+
+REFUSED: list[Refusal] = [
+    Refusal("sparse reading with a packed format", "page summaries are not kept for packed pages",
+            lambda c: c.sparse_read and c.packed,
+            lambda c: f"policy {c.policy!r} reads selected pages through key summaries that packed formats do not "
+                      f"keep yet; use quant {c.quant!r} without {c.policy!r}, or an unpacked format (fp32, bf16, "
+                      f"fp16, or fp8_e4m3 / fp8_e5m2 with quant_args {{'scaling': 'fixed'}})"),
+    Refusal("sparse reading with accumulated attention statistics",
+            "the statistics of a reduced read are not collected",
+            lambda c: c.sparse_read and c.accumulated_attention,
+            lambda c: f"policy {c.policy!r} reads selected pages at decode and asks for attention statistics; the "
+                      f"statistics of a reduced read are not collected yet",
+            NotImplementedError),
+    Refusal("sparse reading with a draft", "a verify step reads several queries a sequence, the sparse read one",
+            lambda c: c.sparse_read and c.draft is not None,
+            lambda c: f"policy {c.policy!r} reads selected pages at decode; speculative decoding "
+                      f"(draft={c.draft!r}) verifies several tokens a step, which the sparse read does not handle "
+                      f"yet: leave draft=None",
+            NotImplementedError),
+    Refusal("a compressing policy with an allocator that cannot compact", "compaction rewrites block tables",
+            lambda c: c.compacts and not c.allocator_compacts,
+            lambda c: f"policy {c.policy!r} compacts block tables, which the {c.allocator!r} allocator cannot do "
+                      f"(it has no compact()); use allocator 'paged' or 'contiguous'"),
+    Refusal("prefix caching with accumulated attention (H2O)",
+            "a prefix hit skips the queries of the tokens it reuses",
+            lambda c: c.prefix_caching and c.compacts and c.accumulated_attention,
+            lambda c: f"enable_prefix_caching with policy {c.policy!r} is not supported yet: it ranks keys by the "
+                      f"attention every query paid them, and a prefix hit skips the queries of the tokens it "
+                      f"reuses; use a policy without accumulated attention statistics"),
+    Refusal("prefix caching with a policy whose select cannot protect shared pages",
+            "shared pages must be kept as they are",
+            lambda c: c.prefix_caching and c.compacts and not c.protects_shared_pages,
+            lambda c: f"enable_prefix_caching with policy {c.policy!r} is not supported yet: its select() takes no "
+                      f"`protected` argument (the leading cache indices in shared pages, which it must keep); see "
+                      f"kvlab.policies.base.Policy.select"),
+    Refusal("prefix caching with a non-paged allocator", "only the paged allocator shares cached pages",
+            lambda c: c.prefix_caching and not c.allocator_shares_cached,
+            lambda c: f"enable_prefix_caching with allocator {c.allocator!r} is not supported yet; use "
+                      f"allocator='paged'"),
+    Refusal("a draft with a compressing policy", "tentative slots and compaction share cache indices",
+            lambda c: c.draft is not None and c.compacts,
+            lambda c: f"draft {c.draft!r} with policy {c.policy!r}: speculative decoding does not run with a "
+                      f"compressing policy yet (tentative slots and compaction share cache indices); use "
+                      f"policy='full' or draft=None"),
+    Refusal("a draft with prefix caching", "only committed tokens may be hashed, which nothing checks yet",
+            lambda c: c.draft is not None and c.prefix_caching,
+            lambda c: f"draft {c.draft!r} with enable_prefix_caching is not supported yet (committed tokens alone "
+                      f"should be hashed, which nothing checks yet); use one or the other"),
+    Refusal("a token-tree draft with a packed format", "the accepted path's KV is moved slot by slot",
+            lambda c: c.moves_kv_slots and c.packed,
+            lambda c: f"draft {c.draft!r} with quant {c.quant!r}: the accepted path's KV is moved into place slot "
+                      f"by slot, which packed pages do not support yet; use an unpacked format (fp32, bf16, fp16, "
+                      f"or fp8 with scaling='fixed')"),
+    Refusal("a format the kernel backend cannot read", "each format names the backends that read it",
+            lambda c: c.backend not in c.backends,
+            lambda c: f"quant={c.quant!r}: the {c.backend} kernel backend cannot read this cache format (it is "
+                      f"read by: {', '.join(c.backends)}); set kernel_backend='torch'"),
+    Refusal("per-head budgets with accumulated attention statistics", "the statistics are gathered per layer",
+            lambda c: c.compacts and c.head_budgets and c.accumulated_attention,
+            lambda c: f"policy {c.policy!r}: per-head budgets cannot use accumulated attention statistics yet (the "
+                      f"statistics are gathered per layer)"),
+    Refusal("a draft with SamplingParams(n > 1)", "forked samples would share tentative slots",
+            lambda c: c.draft is not None and c.samples > 1,
+            lambda c: f"SamplingParams(n={c.samples}) with draft {c.draft!r} is not supported yet (forked samples "
+                      f"would share tentative slots); use n=1 or draft=None",
+            when="request"),
+]
+
+
+def check(caps: Capabilities, when: str = "build") -> None:
+    """Raise the first refused combination of `when` that `caps` has."""
+    for r in REFUSED:
+        if r.when == when and r.applies(caps):
+            raise r.kind(r.message(caps))
+
+
+def refusal(caps: Capabilities, name: str) -> str | None:
+    """The message of refusal `name` if it applies to `caps` (for checks made later, e.g. per request)."""
+    r = next(r for r in REFUSED if r.name == name)
+    return r.message(caps) if r.applies(caps) else None
+
+
+def refused_markdown() -> str:
+    """The design note's list of refused combinations, one line each."""
+    lines = []
+    for r in REFUSED:
+        at = "when the request is made" if r.when == "request" else "before the model loads"
+        lines.append(f"- {r.name}: {r.why} ({at})")
+    return "\n".join(lines)

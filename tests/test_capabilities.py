@@ -1,0 +1,140 @@
+"""The one table of refused combinations (kvlab/engine/capabilities.py): each refusal is raised by a real
+configuration before the model loads (or when the request is made), each allowed neighbour passes the
+table, and the design note lists exactly the table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab import LLM, SamplingParams
+from kvlab.engine.capabilities import REFUSED, refused_markdown
+
+MISSING = "does-not-exist"  # a model that cannot load: an error about the combination came first
+
+# refusal name -> (engine options, a neighbour that the table lets through)
+CASES = {
+    "sparse reading with a packed format": (dict(policy="quest", policy_args={"budget": 64}, quant="int4"),
+                                            dict(policy="quest", policy_args={"budget": 64}, quant="fp16")),
+    "sparse reading with a draft": (dict(policy="quest", policy_args={"budget": 64}, draft="ngram"),
+                                    dict(policy="quest", policy_args={"budget": 64})),
+    "a compressing policy with an allocator that cannot compact": (
+        dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, allocator="test-cannot-compact"),
+        dict(policy="full", allocator="test-cannot-compact")),
+    "prefix caching with accumulated attention (H2O)": (
+        dict(policy="h2o", policy_args={"budget": 32}, enable_prefix_caching=True),
+        dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, enable_prefix_caching=True)),
+    "prefix caching with a policy whose select cannot protect shared pages": (
+        dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5}, enable_prefix_caching=True),
+        dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),
+    "prefix caching with a non-paged allocator": (dict(allocator="contiguous", enable_prefix_caching=True),
+                                                  dict(allocator="contiguous")),
+    "a draft with a compressing policy": (dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, draft="ngram"),
+                                          dict(draft="ngram")),
+    "a draft with prefix caching": (dict(draft="ngram", enable_prefix_caching=True), dict(enable_prefix_caching=True)),
+    "a token-tree draft with a packed format": (dict(draft="tree", quant="int4"), dict(draft="tree", quant="fp16")),
+    "per-head budgets with accumulated attention statistics": (
+        dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
+        dict(policy="adakv", policy_args={"compression_ratio": 0.5})),
+}
+UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
+    "sparse reading with accumulated attention statistics",
+    "a format the kernel backend cannot read",  # through the engine: tests/test_quant_engine.py
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins():
+    from kvlab.cache.allocators.base import Allocator
+    from kvlab.cache.allocators.paged import PagedAllocator
+    from kvlab.policies.h2o import H2O
+    from kvlab.policies.snapkv import SnapKV
+    from kvlab.registry import ALLOCATORS, POLICIES
+
+    @ALLOCATORS.register("test-cannot-compact")
+    class CannotCompact(PagedAllocator):
+        compact = Allocator.compact  # the base's: no compaction
+
+    @POLICIES.register("test-unprotecting")
+    class Unprotecting(SnapKV):
+        def select(self, scores, budget):  # no `protected`
+            return super().select(scores, budget)
+
+    @POLICIES.register("test-per-head-h2o")
+    class PerHeadH2O(H2O):
+        head_budgets = True
+
+    yield
+    for registry, name in ((ALLOCATORS, "test-cannot-compact"), (POLICIES, "test-unprotecting"),
+                           (POLICIES, "test-per-head-h2o")):
+        registry._classes.pop(name, None)
+
+
+def refusal(name: str):
+    return next(r for r in REFUSED if r.name == name)
+
+
+def test_every_refusal_has_a_case():
+    assert {r.name for r in REFUSED if r.when == "build"} == set(CASES) | UNREACHABLE
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_combination_is_refused_before_the_model_loads(name):
+    r = refusal(name)
+    refused, allowed = CASES[name]
+    with pytest.raises(r.kind) as info:
+        LLM(MISSING, block_size=16, **refused)
+    caps = _caps(refused)
+    assert r.applies(caps) and str(info.value) == r.message(caps)
+    assert not r.applies(_caps(allowed)), "the neighbour should pass this refusal"
+    with pytest.raises(Exception) as info:  # the neighbour gets as far as loading the model
+        LLM(MISSING, block_size=16, **allowed)
+    assert MISSING in str(info.value), info.value
+
+
+def test_a_draft_with_parallel_samples_is_refused_when_the_request_is_made():
+    llm = LLM("random:llama-tiny", draft="ngram", kv_cache_memory="1MiB")
+    with pytest.raises(ValueError, match=r"SamplingParams\(n=2\) with draft 'ngram' is not supported yet"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, n=2))
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_the_sparse_read_with_statistics_refusal_applies_only_to_that_pair():
+    import dataclasses
+
+    base = _caps(CASES["sparse reading with a draft"][1])
+    r = refusal("sparse reading with accumulated attention statistics")
+    assert not r.applies(base)
+    assert r.applies(dataclasses.replace(base, accumulated_attention=True))
+    assert not r.applies(dataclasses.replace(base, accumulated_attention=True, sparse_read=False))
+
+
+def test_a_format_only_the_torch_backend_reads_is_refused_on_triton_only():
+    import dataclasses
+
+    base = _caps({})
+    r = refusal("a format the kernel backend cannot read")
+    assert not r.applies(base) and not r.applies(dataclasses.replace(base, backends=("torch",)))
+    assert r.applies(dataclasses.replace(base, backends=("torch",), backend="triton"))
+
+
+def test_the_design_note_lists_the_table():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = re.search(r"## Combinations not supported yet\n(.*?)\n## ", text, re.S).group(1)
+    assert refused_markdown() in section, "regenerate the list: python -c 'from kvlab.engine.capabilities " \
+                                          "import refused_markdown; print(refused_markdown())'"
+
+
+def _caps(options: dict):
+    from kvlab.engine.capabilities import capabilities
+    from kvlab.engine_config import EngineConfig
+    from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, QUANT_FORMATS, load_plugins
+
+    load_plugins()
+    config = EngineConfig(model=MISSING, block_size=16, **options)
+    draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft else None
+    return capabilities(config, POLICIES.build(config.policy, **config.policy_args),
+                        QUANT_FORMATS.build(config.quant, **config.quant_args), ALLOCATORS.get(config.allocator),
+                        draft)
