@@ -78,10 +78,13 @@ def simulate(policy: str, num_blocks: int, pairs: list[tuple[list[int], list[int
                     for i, (p, _) in enumerate(pairs))
     running: list[Sequence] = []
     while waiting or running:
-        while waiting and len(running) < args.concurrency and bm.can_allocate(waiting[0]):
+        while waiting and len(running) < args.concurrency:
+            hit = bm.lookup(waiting[0])
+            if not bm.can_allocate(waiting[0], hit):
+                break
             seq = waiting.popleft()
-            seq.num_computed_tokens = bm.num_cached_tokens(seq)
-            bm.allocate(seq, seq.num_uncomputed_tokens)
+            seq.num_computed_tokens = hit.tokens
+            bm.allocate(seq, seq.num_uncomputed_tokens, hit)
             seq.num_computed_tokens = seq.num_tokens
             bm.commit(seq)
             running.append(seq)

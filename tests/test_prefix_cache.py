@@ -62,13 +62,14 @@ class Shadow:
         return seq
 
     def admit(self, seq: Sequence, chunk: int) -> bool:
-        if not self.bm.can_allocate(seq):
+        hit = self.bm.lookup(seq)
+        if not self.bm.can_allocate(seq, hit):
             return False
-        seq.num_computed_tokens = self.bm.num_cached_tokens(seq)
+        seq.num_computed_tokens = hit.tokens
         self.hits += seq.num_computed_tokens
         n = min(chunk, seq.num_uncomputed_tokens)
         assert n >= 1  # the last prompt token is always computed
-        self.bm.allocate(seq, n)
+        self.bm.allocate(seq, n, hit)
         self.live.append(seq)
         self._compute(seq, n)
         return True
@@ -487,3 +488,21 @@ def test_a_repeated_prompt_hits_every_full_page_before_its_last_token(length):
     again = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
     assert again == first
     assert llm.engine.stats()["prefix_hit_tokens"] == (length - 1) // 4 * 4
+
+
+def test_a_prefix_hit_is_passed_to_allocate_and_belongs_to_its_sequence():
+    bm = make_manager([LayerGroup((0,))])
+    sim = Shadow(bm)
+    first = sim.new_seq([1, 2, 3, 4, 5, 6, 7])
+    assert sim.admit(first, 8)  # computes and commits its pages
+    second, third = sim.new_seq([1, 2, 3, 4, 5, 6, 9]), sim.new_seq([1, 2, 3, 4, 8, 8, 8])
+    hit = bm.lookup(second)
+    assert hit.tokens == 6 and bm.lookup(third).tokens == 4  # a lookup changes nothing: look up others between
+    with pytest.raises(ValueError, match="prefix hit of sequence 1 was given for sequence 2"):
+        bm.can_allocate(third, hit)
+    second.num_computed_tokens = hit.tokens
+    bm.allocate(second, 1, hit)
+    assert bm.block_tables([second], 0)[0][:3] == bm.block_tables([first], 0)[0][:3]  # the hit's pages shared
+    fourth = sim.new_seq([1, 2, 3, 4, 5, 6, 7, 1])
+    with pytest.raises(ValueError, match="starts at token 0 but its prefix hit holds 6"):
+        bm.allocate(fourth, 1, bm.lookup(fourth))

@@ -58,9 +58,9 @@ def record_hits(llm: LLM) -> dict[tuple, int]:
     bm, hits = llm.engine.block_manager, {}
     allocate = bm.allocate
 
-    def allocate_and_record(seq, n):
+    def allocate_and_record(seq, n, hit=None):
         hits[tuple(seq.token_ids[: seq.num_prompt_tokens])] = seq.num_computed_tokens
-        allocate(seq, n)
+        allocate(seq, n, hit)
     bm.allocate = allocate_and_record
     return hits
 

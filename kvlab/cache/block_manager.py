@@ -60,6 +60,16 @@ def equal_groups(layer_windows: list[int | None], size: int | None = None,
     return sorted(groups, key=lambda g: g.layers[0])
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a prefix-cache lookup found for a waiting sequence: its first `tokens` tokens' KV, in the
+    pages of `nodes` (one per block). `lookup` returns it, `can_allocate` and `allocate` take it."""
+
+    seq_id: int
+    tokens: int = 0
+    nodes: tuple = ()
+
+
 class BlockManager:
     def __init__(self, groups: list[LayerGroup], allocator: Allocator, num_blocks: int, block_size: int,
                  max_model_len: int, max_chunk: int | None = None, prefix_cache: PrefixCache | None = None,
@@ -89,7 +99,6 @@ class BlockManager:
                                  f"{getattr(type(allocator), 'registry_name', type(allocator).__name__)} "
                                  f"does not support it yet")
             allocator.prefix_cache = prefix_cache
-        self._match: tuple[int, int, list[Node]] | None = None  # (seq id, hit tokens, nodes) of the last lookup
         # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
         self.recompute_tail = 0
         # a quantised format with a residual window: (page, no sequence holds it) -> whether a hit may
@@ -160,10 +169,12 @@ class BlockManager:
     def _salt(self, seq: Sequence) -> bytes:
         return request_salt(seq.params.cache_salt)
 
-    def _lookup(self, seq: Sequence) -> tuple[int, list[Node]]:
-        """Tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
-        past a scoring request's context end) and the nodes of their blocks; remembered for `allocate`.
-        Whole blocks, then (prefix_match="token") the leading tokens of one more cached block."""
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
+        past a scoring request's context end) and the nodes of their blocks: whole blocks, then
+        (prefix_match="token") the leading tokens of one more cached block. No hit without a prefix cache."""
+        if self.prefix_cache is None:
+            return PrefixHit(seq.seq_id)
         bs, last = self.block_size, seq.num_tokens_to_compute - 1
         if seq.is_scoring:
             last = min(last, seq.score_from - 1)
@@ -189,8 +200,7 @@ class BlockManager:
             k -= 1  # a window group needs the pages of the window before the hit
         if not hit:
             nodes, hit = nodes[:k], k * bs
-        self._match = (seq.seq_id, hit, nodes)
-        return hit, nodes
+        return PrefixHit(seq.seq_id, hit, tuple(nodes))
 
     def _first_needed(self, group: int, hit: int) -> int:
         """First block a query at cache index `hit` can see in `group`."""
@@ -205,13 +215,8 @@ class BlockManager:
         return [NULL_BLOCK] * first + [node.pages[group] for node in nodes[first:]]
 
     def num_cached_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching); the
-        scheduler starts computing after them."""
-        if self.prefix_cache is None:
-            return 0
-        if self._match is None or self._match[0] != seq.seq_id:
-            self._lookup(seq)
-        return self._match[1]
+        """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching)."""
+        return self.lookup(seq).tokens
 
     def commit(self, seq: Sequence) -> None:
         """`seq`'s computed tokens are final: register its full pages in the prefix cache (none once a
@@ -237,14 +242,15 @@ class BlockManager:
         tokens = self.rows.pages_per_row * self.block_size
         return [(tokens, tokens)] * rows
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
+        """Whether `seq`'s first chunk fits, its prefix `hit` (looked up here when not given) shared."""
         if self.rows is not None:  # its first chunk opens at most a window of pages per group
             pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
                 [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
                 + (self._lease_requests(pending) if self.rows is not None else []))
-        hit, nodes = self._lookup(seq)
+        hit, nodes = self._checked(seq, hit or self.lookup(seq))
         a, need = self.allocator, 0
         for g, group in enumerate(self.groups):
             cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
@@ -255,23 +261,27 @@ class BlockManager:
             need += pending * self.rows.pages_per_row
         return need <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Tables for `seq`: with prefix caching, the cached pages of its first
-        `seq.num_computed_tokens` tokens (from `num_cached_tokens`), then `num_tokens` new slots."""
-        self._allocate(seq, num_tokens)
+    def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
+        """Tables for `seq`: the pages of its prefix `hit` (from `lookup`; none when not given), whose
+        tokens `seq.num_computed_tokens` counts, then `num_tokens` new slots."""
+        self._allocate(seq, num_tokens, hit or PrefixHit(seq.seq_id))
         if self.rows is not None:  # the tables now hold the hit's pages: what the chunk opens is known
             self._claimed_rows += self._new_rows(seq, num_tokens, start=seq.num_computed_tokens)
 
-    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def _checked(self, seq: Sequence, hit: PrefixHit) -> tuple[int, list[Node]]:
+        if hit.seq_id != seq.seq_id:
+            raise ValueError(f"the prefix hit of sequence {hit.seq_id} was given for sequence {seq.seq_id}")
+        return hit.tokens, list(hit.nodes)
+
+    def _allocate(self, seq: Sequence, num_tokens: int, found: PrefixHit) -> None:
+        hit, nodes = self._checked(seq, found)
         if self.prefix_cache is None:
             for key in self._keys(seq):
                 self.allocator.allocate(key, num_tokens, seq.max_len)
             return
-        seq_id, hit, nodes = self._match if self._match and self._match[0] == seq.seq_id else (seq.seq_id, 0, [])
         if hit != seq.num_computed_tokens:
-            raise RuntimeError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but the prefix "
-                               f"cache holds {hit}: call num_cached_tokens just before allocate")
-        self._match = None
+            raise ValueError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but its prefix hit "
+                             f"holds {hit}: set num_computed_tokens to the hit's tokens before allocate")
         used, saved, taken = [], 0, set()
         for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
             pages = self._cached_pages(g, nodes, hit)

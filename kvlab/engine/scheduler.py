@@ -90,11 +90,12 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            hit = self.block_manager.lookup(seq)  # a prefix-cache hit (none without prefix caching)
+            if not self.block_manager.can_allocate(seq, hit):
                 break
-            seq.num_computed_tokens = self.block_manager.num_cached_tokens(seq)  # prefix-cache hit (or 0)
+            seq.num_computed_tokens = hit.tokens
             n = self._chunk(seq, budget)
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, n, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
