@@ -243,6 +243,10 @@ class Compressor:
         self._queries.pop(seq.seq_id, None)
         self._mass.pop(seq.seq_id, None)
 
+    def on_sequence(self, event: str, seq: Sequence) -> None:
+        """Every lifecycle event (dropped, finished, aborted) ends what was recorded for `seq`."""
+        self.forget(seq)
+
     def num_tracked(self) -> int:
         """Sequences this compressor keeps state for (a test that nothing leaks reads it)."""
         return len(self._queries.keys() | self._mass.keys())

@@ -29,6 +29,8 @@ CONFIGS = {
                                   enable_prefix_caching=True),
     "quest": dict(policy="quest", policy_args={"budget": 32, "dense_layers": 0}),
     "ngram": dict(draft="ngram", draft_args={"num_tokens": 3}),
+    "model-draft": dict(draft="model", draft_args={"model": MODEL, "num_tokens": 3}),
+    "tree-draft": dict(draft="tree", draft_args={"layers": 1, "width": 2, "depth": 2}),
 }
 
 
@@ -40,10 +42,9 @@ def leftovers(engine) -> dict[str, int]:
              "return_dists": len(engine._return_dists), "metrics": len(engine.metrics._live),
              "tables": len(bm.allocator.tables), "hits": len(bm._hits), "compacted": len(bm._compacted),
              "pages in use": bm.num_used_blocks()}
-    if engine.compressor:
-        found["compressor"] = engine.compressor.num_tracked()
-    if engine.speculator:
-        found["speculator"] = len(engine.speculator._lengths) + len(engine.speculator._probs)
+    found.update(engine.lifecycle.tracked())  # every subscriber: compressor, speculator and draft, engine
+    if engine.speculator and hasattr(engine.draft, "_shadows"):
+        found["draft pool pages"] = engine.draft._pool.block_manager.num_used_blocks()
     if bm.prefix_cache is not None:
         found["prefix chains"] = len(bm.prefix_cache.chains)
     return {k: v for k, v in found.items() if v}

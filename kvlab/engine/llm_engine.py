@@ -39,6 +39,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.sequence import Sequence
 from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
 from kvlab.engine.capabilities import capabilities, check
+from kvlab.engine.lifecycle import Lifecycle
 from kvlab.speculation.speculator import Speculator
 from kvlab.stop_strings import StopStrings
 
@@ -165,6 +166,9 @@ class LLMEngine:
         self._return_dists: set[int] = set()
         self._samples: dict[int, tuple[int, int]] = {}  # parallel sampling: seq id -> (group id, sample index)
         self._groups: dict[int, list[int]] = {}  # group id (the first sample's id) -> ids of its unfinished samples
+        self.lifecycle = Lifecycle()  # who keeps per-sequence state hears of each sequence's end (lifecycle.py)
+        for subscriber in (self, self.compressor, self.speculator):
+            self.lifecycle.subscribe(subscriber)
 
     def _chunk_end(self, seq: Sequence) -> int | None:
         """The computed-token count a chunk of `seq` must not pass (None: any): its next compression point
@@ -315,13 +319,7 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_time = time.perf_counter()
-        if self.compressor:
-            self.compressor.forget(seq)
-        if self.speculator:
-            self.speculator.forget(seq)
-        self._generators.pop(seq.seq_id, None)
-        self._return_dists.discard(seq.seq_id)
-        self.metrics.discard(seq.seq_id)
+        self.lifecycle.emit("aborted", [seq])
         return True
 
     def has_unfinished(self) -> bool:
@@ -399,9 +397,9 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         except BaseException:
             self._restore_streams(streams)
-            self._forget_compressed(self.scheduler.waiting)
+            self.lifecycle.emit("dropped", self.scheduler.waiting)
             raise
-        self._forget_compressed(batch.preempted)
+        self.lifecycle.emit("dropped", batch.preempted)
         streams.update(self._stream_states([s for s in batch.seqs if s.seq_id not in streams]))
         return batch
 
@@ -433,22 +431,26 @@ class LLMEngine:
             self._samples.pop(parent.seq_id, None)
             for child in children:
                 self._samples.pop(child.seq_id, None)
-                self._generators.pop(child.seq_id, None)
                 self.scheduler.abort(child.seq_id)  # if it was admitted: its pages go back
-            self._forget_compressed(children)
+            self.lifecycle.emit("aborted", children)
         self.scheduler.unschedule(batch)
-        self._forget_compressed(batch.seqs)
+        self.lifecycle.emit("dropped", batch.seqs)
 
     def _restore_streams(self, streams: dict[int, torch.Tensor]) -> None:
         for seq_id, state in streams.items():
             if seq_id in self._generators:
                 self._generators[seq_id].set_state(state)
 
-    def _forget_compressed(self, seqs) -> None:
-        """`seqs` will be recomputed from scratch (or were dropped): the compressor forgets them."""
-        if self.compressor:
-            for seq in seqs:
-                self.compressor.forget(seq)
+    def on_sequence(self, event: str, seq: Sequence) -> None:
+        """The engine's own per-sequence state (random streams, return_dists, waste history) on `event`."""
+        if event in ("finished", "aborted"):
+            self._generators.pop(seq.seq_id, None)
+            self._return_dists.discard(seq.seq_id)
+        if event == "aborted":
+            self.metrics.discard(seq.seq_id)
+
+    def num_tracked(self) -> int:
+        return len(self._generators.keys() | self._return_dists)
 
     # -- parallel sampling ---------------------------------------------------
     def _spawn_samples(self, out) -> list[tuple[Sequence, SamplingParams, list[Sequence]]]:
@@ -553,13 +555,8 @@ class LLMEngine:
         # the final length in the cache (the last sampled token is never written; evicted ones are gone)
         final = self.block_manager.cached_total(seq)
         self.scheduler.finish(seq, reason)
-        if self.compressor:
-            self.compressor.forget(seq)
-        if self.speculator:
-            self.speculator.forget(seq)
         seq.finish_time = now
-        self._generators.pop(seq.seq_id, None)
-        self._return_dists.discard(seq.seq_id)
+        self.lifecycle.emit("finished", [seq])
         n_out = seq.num_output_tokens if not seq.is_scoring else 0
         self.metrics.record_finish(seq.seq_id, final, seq.num_prompt_tokens, n_out, seq.ttft, seq.tpot)
         return seq

@@ -120,6 +120,15 @@ class Speculator:
         self._probs.pop(seq.seq_id, None)
         self.draft.forget(seq.seq_id)
 
+    def on_sequence(self, event: str, seq: Sequence) -> None:
+        """A finished or aborted sequence is forgotten; a dropped one keeps its draft length (a recompute
+        resyncs the draft's shadow with its tokens)."""
+        if event in ("finished", "aborted"):
+            self.forget(seq)
+
+    def num_tracked(self) -> int:
+        return len(self._lengths.keys() | self._probs.keys()) + self.draft.num_tracked()
+
     # -- verify ----------------------------------------------------------------
     def verify(self, out, generators: dict[int, torch.Generator]) -> tuple[list[tuple[Sequence, list[int]]],
                                                                           dict[int, int]]:

@@ -62,6 +62,10 @@ class DraftModel(ABC):
     def forget(self, seq_id: int) -> None:
         """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""
 
+    def num_tracked(self) -> int:
+        """Sequences the draft keeps state for (0 for a stateless draft; a leak test reads it)."""
+        return 0
+
     @abstractmethod
     def propose(self, seqs: list["Sequence"], lengths: list[int],
                 generators: list["torch.Generator | None"]) -> list[Proposal]:

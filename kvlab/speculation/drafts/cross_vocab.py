@@ -65,3 +65,6 @@ class CrossVocabDraft(ModelDraft):
         super().forget(seq_id)
         if self._bridge is not None:
             self._bridge.forget(seq_id)
+
+    def num_tracked(self) -> int:
+        return super().num_tracked() + (self._bridge.num_tracked() if self._bridge is not None else 0)

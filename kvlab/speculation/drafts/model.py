@@ -138,6 +138,9 @@ class ModelDraft(DraftModel):
     def forget(self, seq_id: int) -> None:
         self._drop(seq_id)
 
+    def num_tracked(self) -> int:
+        return len(self._shadows)
+
     def _drop(self, seq_id: int) -> None:
         sh = self._shadows.pop(seq_id, None)
         if sh is not None:

@@ -174,6 +174,9 @@ class SLRSDraft(DraftModel):
         if self._model is not None:
             self._bridge.forget(seq_id)
 
+    def num_tracked(self) -> int:
+        return self._bridge.num_tracked() if self._model is not None else 0
+
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
         """Every sequence's draft chain in lockstep (one batched forward per draft token), then psi
         for the sampled ones, one sequence at a time."""

@@ -235,3 +235,6 @@ class Bridge:
 
     def forget(self, key: int) -> None:
         self._contexts.pop(key, None)
+
+    def num_tracked(self) -> int:
+        return len(self._contexts)
