@@ -39,23 +39,23 @@ import time
 
 import torch
 
-from kvlab.cache.block_manager import BlockManager
-from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.paged_kv import PagedKV
 from kvlab.policies.base import Policy
 from kvlab.sequence import Sequence
 
 
 class Compressor:
-    def __init__(self, policy: Policy, block_manager: BlockManager, cache: KVCache, compute_dtype: torch.dtype):
+    def __init__(self, policy: Policy, kv: PagedKV, compute_dtype: torch.dtype):
         self.policy = policy
-        self.bm = block_manager
-        self.cache = cache
+        self.kv = kv  # compaction goes through it (tables and tensors together); reads through bm and cache
+        self.bm = kv.block_manager
+        self.cache = kv.cache
         self.dtype = compute_dtype
-        self.num_layers = sum(len(g.layers) for g in block_manager.groups)
-        self.groups = [g for g, group in enumerate(block_manager.groups) if group.sliding_window is None]
+        self.num_layers = sum(len(g.layers) for g in self.bm.groups)
+        self.groups = [g for g, group in enumerate(self.bm.groups) if group.sliding_window is None]
         self.layers: dict[int, list[int]] = {}  # full-attention layer -> its groups (one per KV head with head_budgets)
         for g in self.groups:
-            self.layers.setdefault(block_manager.groups[g].layers[0], []).append(g)
+            self.layers.setdefault(self.bm.groups[g].layers[0], []).append(g)
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
         self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
         self.reset_stats()
@@ -176,7 +176,7 @@ class Compressor:
             if keep and isinstance(keep[0], list):  # a kept list per KV head
                 self._compact_per_head(seq, g, keep, protected)
             else:
-                self.cache.move_slots(self.bm.compact(seq, g, keep))
+                self.kv.compact(seq, g, keep)
             if layer in mass:  # the running totals follow their keys
                 index = torch.tensor(keep, dtype=torch.long, device=mass[layer].device)
                 mass[layer] = mass[layer].gather(0, index.T) if index.ndim == 2 else mass[layer][index]
@@ -200,24 +200,17 @@ class Compressor:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
         for g, kept in zip(groups, per_head):
-            self.cache.move_slots(self.bm.compact(seq, g, kept))
+            self.kv.compact(seq, g, kept)
 
     def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]], protected: int = 0) -> None:
         """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many
         slots (the pages after them are freed) and head h's survivors move into them, in order. The first
         `protected` indices (every head keeps them in place) are not moved."""
-        n, m = self.bm.cached_lens([seq], group)[0], len(keep[0])
+        m = len(keep[0])
         if any(len(k) != m for k in keep):
             raise ValueError(f"{type(self.policy).__name__}.select kept {[len(k) for k in keep]} tokens per KV head: "
                              f"a layer's heads must keep as many (per-head budgets need head_budgets = True)")
-        device = self.cache.k(self.bm.groups[group].layers[0]).device
-        old = torch.tensor(self.bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=device)  # [n]
-        # the table's new layout: its pages up to `protected` stay as they are, every later one is written
-        # (an index shifted by one there tells the allocator so); the moves are the per-head ones below
-        self.bm.compact(seq, group, list(range(protected)) + list(range(protected + 1, m + 1)))
-        new = torch.tensor(self.bm.slot_ids(seq, group, protected, m), dtype=torch.long, device=device)  # [m - p]
-        src = old[torch.tensor(keep, dtype=torch.long, device=device)[:, protected:]]  # [Hkv, m - p]
-        self.cache.move_head_slots(src, new)
+        self.kv.compact_heads(seq, group, keep, protected)
 
     def gather(self, seq: Sequence, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values of `seq` in `layer`: ([L, Hkv, D], [L, Hkv, D]) in the compute dtype."""

@@ -14,6 +14,7 @@ import torch
 from kvlab.cache.allocators.paged import PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.paged_kv import PagedKV
 from kvlab.engine import attention
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.scheduler import ScheduledBatch
@@ -79,7 +80,7 @@ class PrivatePool:
         return out.logits[rows]
 
     def rollback(self, seq: Sequence, n: int) -> None:
-        self.block_manager.rollback(seq, n)
+        self.runner.kv.rollback(seq, n)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)
@@ -114,4 +115,4 @@ class PrivatePools:
         cache = KVCache(groups, num_blocks, bs, mc.num_key_value_heads, head_dim_of(mc), QUANT_FORMATS.build("auto"),
                         getattr(torch, cfg.dtype), cfg.device)
         bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, self.max_model_len, self.max_model_len)
-        return PrivatePool(bm, ModelRunner(model, cache, bm, cfg.device))
+        return PrivatePool(bm, ModelRunner(model, PagedKV(bm, cache), cfg.device))

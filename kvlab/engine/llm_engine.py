@@ -25,6 +25,7 @@ from kvlab.policies.compressor import Compressor
 from kvlab.engine_config import EngineConfig
 from kvlab.kernels import ops
 from kvlab.cache.kv_cache import KVCache, bytes_per_block
+from kvlab.cache.paged_kv import PagedKV
 from kvlab.metrics import Metrics, tokens_per_page
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.models import LoadedModel, load_model
@@ -147,8 +148,9 @@ class LLMEngine:
             self.block_manager.shareable = self.cache.shareable
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
-        self.runner = ModelRunner(self.model, self.cache, self.block_manager, config.device)
-        self.compressor = Compressor(self.policy, self.block_manager, self.cache, dtype) \
+        self.kv = PagedKV(self.block_manager, self.cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
+        self.runner = ModelRunner(self.model, self.kv, config.device)
+        self.compressor = Compressor(self.policy, self.kv, dtype) \
             if self.policy.compresses else None
         if self.compressor:
             self.policy.bind(self.model)
@@ -159,7 +161,7 @@ class LLMEngine:
         self.private_pools = PrivatePools(config, self.block_manager, self.max_model_len)
         if self.draft is not None:
             self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
-            self.speculator = Speculator(self.draft, mc.vocab_size, self.cache, self.block_manager)
+            self.speculator = Speculator(self.draft, mc.vocab_size, self.kv)
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}

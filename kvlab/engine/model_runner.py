@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.engine.attention import plan_step
-from kvlab.cache.block_manager import BlockManager
-from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.paged_kv import PagedKV
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.sequence import Sequence
 from kvlab.speculation.tree_verifier import ancestor_mask, tree_depths
@@ -31,11 +30,11 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, block_manager: BlockManager,
-                 device: torch.device | str):
+    def __init__(self, model: torch.nn.Module, kv: PagedKV, device: torch.device | str):
         self.model = model
-        self.cache = cache
-        self.block_manager = block_manager
+        self.kv = kv  # KV moves (copy-on-write copies) go through it; reads through the two below
+        self.cache = kv.cache
+        self.block_manager = kv.block_manager
         self.device = torch.device(device)
 
     @torch.inference_mode()
@@ -53,7 +52,7 @@ class ModelRunner:
                 rows.extend(range(offset + n - counts[-1], offset + n))
                 offset += n
             meta.query_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.cache.copy_blocks(self.block_manager.take_copies())
+        self.kv.apply_copies()  # copy-on-write: before the forward writes into the copies
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],

@@ -18,7 +18,7 @@ committed tokens ever sees them; a preempted sequence drops its drafts with its 
 Token trees (SpecInfer; kvlab/speculation/drafts/tree.py, kvlab/speculation/tree_verifier.py): the drafts are a tree's
 nodes in preorder (`seq.draft_parents`), computed at their depth's position under a tree mask, in
 tentative slots one after another. Verification walks the tree; the accepted path's K/V are moved
-to the slots right after the last committed token (`KVCache.move_slots`; nothing to move when the
+to the slots right after the last committed token (`PagedKV.move_path`; nothing to move when the
 first-child chain is accepted), then every other slot is rolled back as for a chain. On a model
 with sliding-window layers a tree is cut to its first-child chain once its slots could reach past
 the window (the window is measured in cache indices, which a tree's side branches inflate).
@@ -40,10 +40,11 @@ from kvlab.speculation.verifier import acceptance_histogram, point_masses, specu
 class Speculator:
     """Drives one draft for the engine and keeps the acceptance statistics."""
 
-    def __init__(self, draft: DraftModel, vocab_size: int, cache=None, block_manager=None):
+    def __init__(self, draft: DraftModel, vocab_size: int, kv=None):
         self.draft = draft
         self.vocab_size = vocab_size
-        self.cache, self.block_manager = cache, block_manager  # token trees move the accepted path's K/V
+        self.kv = kv  # kvlab.cache.paged_kv.PagedKV: token trees move the accepted path's K/V through it
+        block_manager = kv.block_manager if kv is not None else None
         windows = [g.sliding_window for g in block_manager.groups if g.sliding_window] if block_manager else []
         self.window = min(windows, default=None)
         self._lengths: dict[int, int] = {}  # seq_id -> current draft length (adaptive)
@@ -192,17 +193,8 @@ class Speculator:
         return seq, [seq.draft_token_ids[n - 1] for n in nodes] + [int(final[0])]
 
     def _move_path(self, seq: Sequence, nodes: list[int]) -> None:
-        """Accepted node nodes[j] (a tree index, its slot after the root's) -> the slot of cache index
-        root + j + 1, in every layer group, before the rollback drops everything past the path."""
-        root, bm = seq.num_tokens - 1, self.block_manager  # the last committed token's cache index
-        moves = []
-        for j, n in enumerate(nodes, start=1):
-            if n != j:
-                for g in range(len(bm.groups)):
-                    moves.append((bm.slot_ids(seq, g, root + n, root + n + 1)[0],
-                                  bm.slot_ids(seq, g, root + j, root + j + 1)[0]))
-        if moves:
-            self.cache.move_slots(moves)
+        """The accepted nodes' K/V to the cache indices right after the last committed token's."""
+        self.kv.move_path(seq, seq.num_tokens - 1, nodes)
 
     def _record(self, seqs: list[Sequence], ks: list[int], accepted: list[int]) -> None:
         self.num_verified += len(seqs)

@@ -1,0 +1,74 @@
+"""The one door for KV moves: page tables and tensors changed together.
+
+A move of KV changes where tokens live in the page tables (the block manager) and what the pool
+tensors hold (the KV cache). `PagedKV` is the only place that does both, each as one call:
+
+    apply_copies()                  copy-on-write: the pages the allocator duplicated since the last
+                                    forward are copied before the forward writes into them
+    compact(seq, group, keep)       a policy keeps cache indices `keep`: the table shrinks, the survivors'
+                                    K/V move to the front (a shared or cached page is never written)
+    compact_heads(seq, group, keep, protected)
+                                    per-head budgets: KV head h keeps keep[h], moved into the same slots
+    move_path(seq, root, nodes)     a token tree's accepted path: node nodes[j]'s K/V moves to cache index
+                                    root + j (then `rollback` drops the rest)
+    rollback(seq, num_tokens)       rejected tentative tokens: their slots go (an open packed page is
+                                    re-encoded on its next write; nothing to move)
+
+Callers (the model runner, the compressor, the speculator) read through the block manager and the
+cache as before; they move KV only through here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.kv_cache import KVCache
+from kvlab.sequence import Sequence
+
+
+class PagedKV:
+    def __init__(self, block_manager: BlockManager, cache: KVCache):
+        self.block_manager = block_manager
+        self.cache = cache
+
+    def apply_copies(self) -> int:
+        """Copy the pages copy-on-write duplicated (src -> dst, every part and residual row); how many."""
+        copies = self.block_manager.take_copies()
+        self.cache.copy_blocks(copies)
+        return len(copies)
+
+    def compact(self, seq: Sequence, group: int, keep: list[int]) -> None:
+        """`seq` keeps only cache indices `keep` of `group`, moved to the front, in tables and tensors."""
+        self.cache.move_slots(self.block_manager.compact(seq, group, keep))
+
+    def compact_heads(self, seq: Sequence, group: int, keep: list[list[int]], protected: int = 0) -> None:
+        """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many slots
+        (the pages after them are freed) and head h's survivors move into them, in order. The first
+        `protected` indices (every head keeps them in place) are not moved."""
+        bm = self.block_manager
+        n, m = bm.cached_lens([seq], group)[0], len(keep[0])
+        device = self.cache.k(bm.groups[group].layers[0]).device
+        old = torch.tensor(bm.slot_ids(seq, group, 0, n), dtype=torch.long, device=device)  # [n]
+        # the table's new layout: its pages up to `protected` stay as they are, every later one is written
+        # (an index shifted by one there tells the allocator so); the moves are the per-head ones below
+        bm.compact(seq, group, list(range(protected)) + list(range(protected + 1, m + 1)))
+        new = torch.tensor(bm.slot_ids(seq, group, protected, m), dtype=torch.long, device=device)  # [m - p]
+        src = old[torch.tensor(keep, dtype=torch.long, device=device)[:, protected:]]  # [Hkv, m - p]
+        self.cache.move_head_slots(src, new)
+
+    def move_path(self, seq: Sequence, root: int, nodes: list[int]) -> None:
+        """Accepted tree node nodes[j - 1] (its slot after the root's, at cache index root + node) -> cache
+        index root + j, in every layer group (before `rollback` drops everything past the path)."""
+        bm, moves = self.block_manager, []
+        for j, node in enumerate(nodes, start=1):
+            if node != j:
+                for g in range(len(bm.groups)):
+                    moves.append((bm.slot_ids(seq, g, root + node, root + node + 1)[0],
+                                  bm.slot_ids(seq, g, root + j, root + j + 1)[0]))
+        if moves:
+            self.cache.move_slots(moves)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop `seq`'s last `num_tokens` slots in every group (rejected tentative tokens)."""
+        self.block_manager.rollback(seq, num_tokens)
