@@ -27,7 +27,7 @@ from pathlib import Path
 from kvlab.cache.allocators import PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.cache.prefix_cache import PrefixCache
-from kvlab.cache.radix_cache import RadixCache
+from kvlab.cache.prefix_index import prefix_index
 from kvlab.registry import PREFIX_EVICTIONS
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence
@@ -62,10 +62,8 @@ def multi_turn(args, rng: random.Random) -> list[tuple[list[int], list[int]]]:
 
 def make_cache(kind: str, policy: str, block_size: int) -> tuple[PrefixCache, str]:
     """A prefix cache by name and the block manager's prefix_match for it."""
-    eviction = PREFIX_EVICTIONS.build(policy)
-    if kind == "radix":
-        return RadixCache(block_size, eviction, b"sim"), "token"
-    return PrefixCache(block_size, eviction, b"sim"), "token" if kind == "hash-token" else "page"
+    return prefix_index("hash" if kind == "hash-token" else kind, PREFIX_EVICTIONS.build(policy), block_size, b"sim",
+                        "token" if kind == "hash-token" else "page")
 
 
 def simulate(policy: str, num_blocks: int, pairs: list[tuple[list[int], list[int]]], args,

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig, EngineOptionError
@@ -29,7 +30,7 @@ def llm():
 @pytest.fixture
 def no_model_load(monkeypatch):
     """The option must fail before the (slow) model load."""
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 def idle(llm) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig, EngineOptionError
@@ -202,7 +203,7 @@ def names(registry) -> str:
     (dict(quant="nope"), QUANT_FORMATS, "quantisation format"),
 ])
 def test_unknown_plugin_name_fails_before_the_model_loads(kwargs, registry, kind, monkeypatch):
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     expected = rf"unknown {kind} 'nope'; registered {kind[:-1]}\w*: " + names(registry).replace(".", r"\.")
     with pytest.raises(UnknownPluginError, match=expected):
         LLM(MODEL, **kwargs)

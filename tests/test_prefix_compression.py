@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.cache.allocators import NULL_BLOCK
@@ -266,7 +267,7 @@ def test_a_compacted_request_registers_nothing_after_its_compaction():
 
 # -- bad input ------------------------------------------------------------------------------
 def test_prefix_caching_with_accumulated_attention_statistics_is_refused_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match="enable_prefix_caching with policy 'h2o' is not supported yet: it ranks "
                                          "keys by the attention every query paid them"):
         LLM("random:llama-tiny", enable_prefix_caching=True, policy="h2o", policy_args={"budget": 32})
@@ -274,7 +275,7 @@ def test_prefix_caching_with_accumulated_attention_statistics_is_refused_before_
 
 def test_prefix_caching_with_a_select_that_cannot_protect_pages_is_refused(monkeypatch):
     from kvlab.policies.chunkkv import ChunkKV
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr(ChunkKV, "select", lambda self, layer_idx, num_layers, keys, values, queries, stats: None)
     with pytest.raises(ValueError, match=r"its select\(\) takes no `protected` argument"):
         LLM("random:llama-tiny", enable_prefix_caching=True, policy="chunkkv", policy_args={"budget": 32})

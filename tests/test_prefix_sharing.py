@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.outputs import RequestOutput
@@ -173,13 +174,13 @@ def test_a_cache_salt_of_the_wrong_type_is_rejected(salt):
     (dict(prefix_cache="trie"), r"prefix_cache: .*'trie'"),
 ])
 def test_prefix_caching_with_an_unsupported_feature_fails_before_the_model_loads(kwargs, message, monkeypatch):
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match=message):
         LLM("random:llama-tiny", enable_prefix_caching=True, **kwargs)
 
 
 def test_unknown_prefix_eviction_policy_is_named(monkeypatch):
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(UnknownPluginError, match="unknown prefix-cache eviction policy 'mru'; registered "
                                                  "prefix-cache eviction policies: arc, lfu, lru, slru"):
         LLM("random:llama-tiny", enable_prefix_caching=True, prefix_eviction="mru")

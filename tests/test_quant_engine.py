@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.registry import QUANT_FORMATS, UnknownPluginError
@@ -107,7 +108,7 @@ def test_packed_pages_with_per_head_policies(policy, args):
 
 
 def test_unknown_format_lists_the_registered_ones(monkeypatch):
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(UnknownPluginError, match="registered .*int2, int4, int8"):
         LLM(MODEL, quant="int3")
     assert {"int8", "int4", "int2"} <= set(QUANT_FORMATS.names())
@@ -133,7 +134,7 @@ def test_a_backend_that_cannot_read_the_format_fails_before_the_model_loads(monk
 
     assert all(set(QUANT_FORMATS.get(n).backends) == {"torch", "triton"} for n in ("int8", "int4", "int2"))
     monkeypatch.setattr(Int4, "backends", ("torch",))
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on CPU is accepted under its interpreter only
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on a CPU device: the interpreter (else refused first)
     with pytest.raises(ValueError, match=r"quant='int4': the triton kernel backend cannot read this cache format "

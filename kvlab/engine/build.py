@@ -1,26 +1,37 @@
-"""Assembly of a page pool and the model runner on it, in one place.
+"""Assembly of an engine, in one place.
 
-`build_pool` makes the groups, the block manager, the KV pool and the runner for a model; the engine
-builds its own pool with it, and hands `PrivatePools` to plugins that need a pool of their own (the
-model draft's shadow sequences), so that no plugin imports the engine or the cache to build one.
+`build(config) -> Parts` makes every component once: the plugins (resolved and checked against the
+capability table before the model loads), the model, the page pool (`page_pool`: block manager, KV
+cache, prefix index), the scheduler, the model runner, the compressor and the speculator. `LLMEngine`
+keeps the parts and runs the step loop. `PrivatePools` lends a plugin that runs a model of its own
+(the model draft's shadow sequences) that model and a pool for it, so that no plugin imports the
+engine or the cache to build one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kvlab.cache.allocators.paged import PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
-from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.kv_cache import KVCache, bytes_per_block
 from kvlab.cache.paged_kv import PagedKV
+from kvlab.cache.quant.lease import lessor_for, row_claims
+from kvlab.cache.prefix_index import prefix_index
 from kvlab.engine import attention
+from kvlab.engine.capabilities import Capabilities, capabilities, check
 from kvlab.engine.model_runner import ModelRunner
-from kvlab.engine.scheduler import ScheduledBatch
+from kvlab.engine.scheduler import ScheduledBatch, Scheduler
+from kvlab.kernels import ops
 from kvlab.models import LoadedModel, load_model
-from kvlab.registry import QUANT_FORMATS
+from kvlab.policies.compressor import Compressor
+from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
+from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sequence import Sequence
+from kvlab.speculation.speculator import Speculator
 
 
 def layer_groups(config, per_layer: bool = False, per_head: bool = False) -> list[LayerGroup]:
@@ -116,3 +127,166 @@ class PrivatePools:
                         getattr(torch, cfg.dtype), cfg.device)
         bm = BlockManager(groups, PagedAllocator(), num_blocks, bs, self.max_model_len, self.max_model_len)
         return PrivatePool(bm, ModelRunner(model, PagedKV(bm, cache), cfg.device))
+
+
+def residual_budget(quant, groups, config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, bytes) of a residual area paid for before the pages: none. A format with a residual window
+    leases each open page's full-precision row from the pool's free pages while the page is open
+    (kvlab.cache.quant.lease), so the whole budget buys pages and rows cost pages only while in use."""
+    return 0, 0
+
+
+def kept_tokens(policy, groups: list[LayerGroup]) -> Callable[[int, int], int] | None:
+    """For admission: (group, prompt tokens) -> tokens the group keeps of the prompt, when the policy
+    compresses after every prefill chunk (so a prompt never holds more than that plus one chunk)."""
+    if not policy.compresses or policy.when != "chunk":
+        return None
+    num_layers = sum(len(g.layers) for g in groups)
+    return lambda g, n: policy.layer_budget(groups[g].layers[0], num_layers, n)
+
+
+def chunk_end(compressor, cache: KVCache) -> Callable[[Sequence], int | None]:
+    """The scheduler's stop_at: the computed-token count a chunk of a sequence must not pass (None: any),
+    its next compression point (compression points are in token time); under sparse reading, the
+    prompt's end, then one token a step (a decode row reads the pages the policy selects, a longer
+    chunk reads every page densely). So a recompute rebuilds what the first pass did."""
+    def stop_at(seq: Sequence) -> int | None:
+        point = compressor.next_point(seq) if compressor else None
+        if cache.sparse_read is not None and not seq.is_scoring:
+            done = seq.num_computed_tokens
+            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1
+            point = read if point is None else min(point, read)
+        return point
+    return stop_at
+
+
+@dataclass
+class Parts:
+    """Every component of an engine, made once by `build`; the engine keeps them under these names (and
+    a plugin's `setup(engine)` reads config, model, tokenizer, model_config, quant and private_pools)."""
+
+    config: object
+    policy: object
+    quant: object
+    draft: object
+    capabilities: Capabilities
+    model: torch.nn.Module
+    tokenizer: object
+    model_config: object
+    max_model_len: int
+    bos_token_id: int | None
+    eos_token_ids: set
+    bytes_per_block: float
+    block_manager: BlockManager
+    cache: KVCache
+    kv: PagedKV
+    scheduler: Scheduler
+    runner: ModelRunner
+    compressor: Compressor | None
+    private_pools: PrivatePools
+    speculator: Speculator | None = None
+
+
+def resolve(config):
+    """Every plugin of `config` built (bad names and parameters fail here, before the model loads) and
+    the capability table checked -> (allocator, policy, quant, draft, capabilities)."""
+    load_plugins()
+    allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
+    policy = POLICIES.build(config.policy, **config.policy_args)
+    quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
+    PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+    draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
+    caps = capabilities(config, policy, quant, type(allocator), draft)
+    check(caps)
+    check_engine(policy, config)
+    return allocator, policy, quant, draft, caps
+
+
+def load(config, loaded: LoadedModel | None) -> LoadedModel:
+    """The target model on kvlab's paged attention, on the configured device."""
+    impl = attention.register()
+    if loaded is None:
+        loaded = load_model(config.model, dtype=getattr(torch, config.dtype), attn_implementation=impl,
+                            seed=config.seed)
+    else:
+        loaded.model.set_attn_implementation(impl)
+    loaded.model.to(config.device)
+    return loaded
+
+
+def context_length(config, mc) -> int:
+    if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context of "
+                         f"{mc.max_position_embeddings} tokens (max_position_embeddings): set max_model_len <= "
+                         f"{mc.max_position_embeddings}, or None for the model's context")
+    return config.max_model_len or mc.max_position_embeddings
+
+
+def special_tokens(tokenizer, mc) -> tuple[int | None, set]:
+    """(bos token id, eos token ids) from the tokenizer, else the model config."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    bos = bos if bos is not None else getattr(mc, "bos_token_id", None)
+    eos = mc.eos_token_id if tokenizer is None else (tokenizer.eos_token_id or mc.eos_token_id)
+    return bos, set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+
+def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple[BlockManager, KVCache, float]:
+    """The one shared page pool sized from the byte budget: (block manager, KV cache, bytes per block)."""
+    dtype = getattr(torch, config.dtype)
+    groups = layer_groups(mc, per_layer=policy.compresses, per_head=policy.head_budgets)
+    num_kv_heads, head_dim = mc.num_key_value_heads, head_dim_of(mc)
+    quant.check_shape(num_kv_heads, head_dim, config.block_size)
+    per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, quant, dtype)
+    _, residual_bytes = residual_budget(quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
+    num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of "
+                         f"{config.block_size} tokens ({per_block:.0f} bytes across {len(groups[0].layers)} "
+                         f"layers); raise kv_cache_memory")
+    salt = repr((config.model, config.quant, sorted(config.quant_args.items()), config.dtype)).encode()
+    index, match = prefix_index(config.prefix_cache if config.enable_prefix_caching else None,
+                                PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args),
+                                config.block_size, salt, config.prefix_match)
+    max_chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
+    bm = BlockManager(groups, allocator, num_blocks, config.block_size, max_model_len, max_chunk, index, match,
+                      kept_tokens(policy, groups))
+    cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, quant, dtype, config.device,
+                    lessor=lessor_for(quant, bm.allocator, config.block_size))
+    bm.on_free = cache.release_unheld  # leased residual rows follow their pages
+    bm.rows = row_claims(cache.area, quant.residual or 0)
+    if isinstance(policy, SparseReadPolicy):  # decode reads only the pages the policy selects
+        cache.sparse_read = SparseRead(policy, cache, config.block_size, num_kv_heads, head_dim, dtype, config.device)
+    if policy.compresses:  # a prefix hit leaves the policy's observation window to compute
+        bm.recompute_tail = policy.query_window
+    if index is not None and cache.area is not None:
+        # a residual window: a hit leaves the prompt's window to compute and shares no page that is
+        # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")
+        bm.recompute_tail = max(bm.recompute_tail, quant.residual)
+        bm.shareable = cache.shareable
+    return bm, cache, per_block
+
+
+def build(config, loaded: LoadedModel | None = None) -> Parts:
+    """Every component of an engine for `config`, each made once: plugins resolved and checked before the
+    model loads, the model, the page pool, the scheduler, the runner, the compressor and the speculator."""
+    allocator, policy, quant, draft, caps = resolve(config)
+    ops.set_backend(config.kernel_backend)
+    loaded = load(config, loaded)
+    model, mc = loaded.model, loaded.model.config
+    max_model_len = context_length(config, mc)
+    bos, eos = special_tokens(loaded.tokenizer, mc)
+    bm, cache, per_block = page_pool(config, allocator, policy, quant, mc, max_model_len)
+    kv = PagedKV(bm, cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
+    scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
+    compressor = Compressor(policy, kv, getattr(torch, config.dtype)) if policy.compresses else None
+    if compressor:
+        policy.bind(model)
+    if compressor or cache.sparse_read is not None:
+        scheduler.stop_at = chunk_end(compressor, cache)
+    parts = Parts(config, policy, quant, draft, caps, model, loaded.tokenizer, mc, max_model_len, bos, eos,
+                  per_block, bm, cache, kv, scheduler, ModelRunner(model, kv, config.device), compressor,
+                  PrivatePools(config, bm, max_model_len))
+    if draft is not None:
+        draft.setup(parts)  # e.g. loads the draft model (through private_pools) and checks its vocabulary
+        parts.speculator = Speculator(draft, mc.vocab_size, kv)
+    return parts

@@ -2,10 +2,9 @@
 
     step() = schedule -> run the model once on the packed batch -> sample -> postprocess
 
-Building it sizes the one shared page pool from the byte budget, splits the
-model's layers into groups of equal size that share block tables (full vs
-sliding-window attention), and wires the plugins named in the config
-(allocator, policy, quantisation format).
+The components are made by `kvlab.engine.build.build` (plugins checked, model, page pool,
+scheduler, runner, compressor, speculator); the engine holds them, runs the step loop and answers
+the request API.
 """
 
 from __future__ import annotations
@@ -14,34 +13,20 @@ import dataclasses
 import math
 import numbers
 import time
-from typing import Callable
 
 import torch
 
-from kvlab.engine import attention
-from kvlab.cache.block_manager import BlockManager, LayerGroup
-from kvlab.engine.build import PrivatePools, head_dim_of, layer_groups
-from kvlab.policies.compressor import Compressor
+from kvlab.engine.build import build
+from kvlab.engine.capabilities import check
+from kvlab.engine.lifecycle import Lifecycle
 from kvlab.engine_config import EngineConfig
-from kvlab.kernels import ops
-from kvlab.cache.kv_cache import KVCache, bytes_per_block
-from kvlab.cache.paged_kv import PagedKV
 from kvlab.metrics import Metrics, tokens_per_page
-from kvlab.engine.model_runner import ModelRunner
-from kvlab.models import LoadedModel, load_model
+from kvlab.models import LoadedModel
 from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
-from kvlab.cache.prefix_cache import PrefixCache, PrefixStats
-from kvlab.cache.quant.lease import lessor_for, row_claims
-from kvlab.cache.radix_cache import RadixCache
-from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
+from kvlab.cache.prefix_cache import PrefixStats
 from kvlab.sampler import SamplingError, request_generator, sample
 from kvlab.sampling_params import SamplingParams, as_sampling_params
-from kvlab.engine.scheduler import Scheduler
 from kvlab.sequence import Sequence
-from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
-from kvlab.engine.capabilities import capabilities, check
-from kvlab.engine.lifecycle import Lifecycle
-from kvlab.speculation.speculator import Speculator
 from kvlab.stop_strings import StopStrings
 
 
@@ -63,105 +48,15 @@ def as_token_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def residual_budget(quant, groups, config: EngineConfig, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> tuple[int, int]:
-    """(rows, bytes) of a residual area paid for before the pages: none. A format with a residual window
-    leases each open page's full-precision row from the pool's free pages while the page is open
-    (kvlab.cache.quant.lease), so the whole budget buys pages and rows cost pages only while in use."""
-    return 0, 0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        load_plugins()
         self.config = config
-        # resolve every plugin before the (slow) model load so bad names fail at once, then refuse what
-        # cannot run together (kvlab/engine/capabilities.py: the one table of refused combinations)
-        allocator = ALLOCATORS.build(config.allocator, **config.allocator_args)
-        self.policy = POLICIES.build(config.policy, **config.policy_args)
-        self.quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
-        PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
-        self.draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
-        self.capabilities = capabilities(config, self.policy, self.quant, type(allocator), self.draft)
-        check(self.capabilities)
-        check_engine(self.policy, config)
-        ops.set_backend(config.kernel_backend)
-        dtype = getattr(torch, config.dtype)
-        impl = attention.register()
-        if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, attn_implementation=impl, seed=config.seed)
-        else:
-            loaded.model.set_attn_implementation(impl)
-        self.model = loaded.model.to(config.device)
-        self.tokenizer = loaded.tokenizer
-        mc = self.model.config
-        self.model_config = mc
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context of "
-                             f"{mc.max_position_embeddings} tokens (max_position_embeddings): set max_model_len <= "
-                             f"{mc.max_position_embeddings}, or None for the model's context")
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        self.bos_token_id = bos if bos is not None else getattr(mc, "bos_token_id", None)
-        eos = mc.eos_token_id if self.tokenizer is None else (self.tokenizer.eos_token_id or mc.eos_token_id)
-        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-
-        groups = layer_groups(mc, per_layer=self.policy.compresses, per_head=self.policy.head_budgets)
-        num_kv_heads = mc.num_key_value_heads
-        head_dim = head_dim_of(mc)
-        self.quant.check_shape(num_kv_heads, head_dim, config.block_size)
-        per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, self.quant, dtype)
-        _, residual_bytes = residual_budget(self.quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
-        num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
-        self.bytes_per_block = per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of {config.block_size} "
-                f"tokens ({per_block:.0f} bytes across {len(groups[0].layers)} layers); "
-                f"raise kv_cache_memory"
-            )
-        prefix_cache = None
-        if config.enable_prefix_caching:
-            salt = repr((config.model, config.quant, sorted(config.quant_args.items()), config.dtype)).encode()
-            eviction = PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
-            prefix_cache = (RadixCache(config.block_size, eviction, salt) if config.prefix_cache == "radix"
-                            else PrefixCache(config.block_size, eviction, salt))
-        match = "token" if config.prefix_cache == "radix" else config.prefix_match  # a radix tree matches tokens
-        max_chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
-        self.block_manager = BlockManager(groups, ALLOCATORS.build(config.allocator, **config.allocator_args),
-                                          num_blocks, config.block_size, self.max_model_len,
-                                          max_chunk, prefix_cache, match, self._kept_tokens(groups))
-        self.cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, self.quant, dtype,
-                             config.device, lessor=lessor_for(self.quant, self.block_manager.allocator,
-                                                              config.block_size))
-        self.block_manager.on_free = self.cache.release_unheld  # leased residual rows follow their pages
-        self.block_manager.rows = row_claims(self.cache.area, self.quant.residual or 0)
-        if isinstance(self.policy, SparseReadPolicy):  # decode reads only the pages the policy selects
-            self.cache.sparse_read = SparseRead(self.policy, self.cache, config.block_size, num_kv_heads, head_dim,
-                                                dtype, config.device)
-        if self.policy.compresses:  # a prefix hit leaves the policy's observation window to compute
-            self.block_manager.recompute_tail = self.policy.query_window
-        if prefix_cache is not None and self.cache.area is not None:
-            # a residual window: a hit leaves the prompt's window to compute and shares no page that is
-            # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")
-            self.block_manager.recompute_tail = max(self.block_manager.recompute_tail, self.quant.residual)
-            self.block_manager.shareable = self.cache.shareable
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk)
-        self.kv = PagedKV(self.block_manager, self.cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
-        self.runner = ModelRunner(self.model, self.kv, config.device)
-        self.compressor = Compressor(self.policy, self.kv, dtype) \
-            if self.policy.compresses else None
-        if self.compressor:
-            self.policy.bind(self.model)
-        if self.compressor or self.cache.sparse_read is not None:
-            self.scheduler.stop_at = self._chunk_end  # so that a recompute rebuilds what the first pass did
-        self.speculator = None
-        # a plugin with a model of its own gets it, and a pool for it, through this (kvlab/engine/build.py)
-        self.private_pools = PrivatePools(config, self.block_manager, self.max_model_len)
-        if self.draft is not None:
-            self.draft.setup(self)  # e.g. loads the draft model and checks its vocabulary
-            self.speculator = Speculator(self.draft, mc.vocab_size, self.kv)
+        parts = build(config, loaded)  # every component, made once (kvlab/engine/build.py)
+        # the engine holds them under the names of Parts: policy, quant, draft, capabilities, model,
+        # tokenizer, model_config, max_model_len, bos/eos ids, bytes_per_block, block_manager, cache, kv,
+        # scheduler, runner, compressor, private_pools, speculator
+        for f in dataclasses.fields(parts):
+            setattr(self, f.name, getattr(parts, f.name))
         self.metrics = self._new_metrics()
         self._next_id = 0
         self._generators: dict[int, torch.Generator] = {}
@@ -171,25 +66,6 @@ class LLMEngine:
         self.lifecycle = Lifecycle()  # who keeps per-sequence state hears of each sequence's end (lifecycle.py)
         for subscriber in (self, self.compressor, self.speculator):
             self.lifecycle.subscribe(subscriber)
-
-    def _chunk_end(self, seq: Sequence) -> int | None:
-        """The computed-token count a chunk of `seq` must not pass (None: any): its next compression point
-        (compression points are in token time); under sparse reading, the prompt's end, then one token a
-        step (a decode row reads the pages the policy selects, a longer chunk reads every page densely)."""
-        point = self.compressor.next_point(seq) if self.compressor else None
-        if self.cache.sparse_read is not None and not seq.is_scoring:
-            done = seq.num_computed_tokens
-            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1
-            point = read if point is None else min(point, read)
-        return point
-
-    def _kept_tokens(self, groups: list[LayerGroup]) -> Callable[[int, int], int] | None:
-        """For admission: (group, prompt tokens) -> tokens the group keeps of the prompt, when the policy
-        compresses after every prefill chunk (so a prompt never holds more than that plus one chunk)."""
-        if not self.policy.compresses or self.policy.when != "chunk":
-            return None
-        num_layers = sum(len(g.layers) for g in groups)
-        return lambda g, n: self.policy.layer_budget(groups[g].layers[0], num_layers, n)
 
     def _new_metrics(self) -> Metrics:
         bm = self.block_manager

@@ -13,7 +13,7 @@ to compute (a prompt, or a recompute), so that several prompts share a step and,
 that compresses after every chunk, a prompt never holds more than its compressed past plus one
 chunk (the block manager admits it on that footprint).
 
-`stop_at` (the engine's `_chunk_end`, from a compressing policy's `Compressor.next_point`): no chunk
+`stop_at` (`kvlab.engine.build.chunk_end`, from a compressing policy's `Compressor.next_point`): no chunk
 runs past a sequence's next compression point (its prompt's end; with when="decode" every `every`
 tokens after it), so a recompute compresses at the tokens the first pass did and rebuilds exactly
 what it kept; under sparse reading a recompute's generated tokens are computed one a step, as decodes.

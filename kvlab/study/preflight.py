@@ -67,7 +67,7 @@ def check_pool(config: EngineConfig, model) -> None:
 
     from kvlab.cache.kv_cache import bytes_per_block
     from kvlab.engine.build import layer_groups
-    from kvlab.engine.llm_engine import residual_budget
+    from kvlab.engine.build import residual_budget
     from kvlab.registry import POLICIES, QUANT_FORMATS, load_plugins
 
     load_plugins()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvlab.engine.build
 import kvlab.engine.llm_engine
 import kvlab.models
 from kvlab.__main__ import main
@@ -30,7 +31,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         pytest.fail("a model was loaded before the config error was reported")
 
-    monkeypatch.setattr(kvlab.engine.llm_engine, "load_model", refuse)
+    monkeypatch.setattr(kvlab.engine.build, "load_model", refuse)
     monkeypatch.setattr(kvlab.models, "load_model", refuse)
 
 

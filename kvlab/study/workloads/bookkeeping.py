@@ -151,18 +151,12 @@ def replay_bookkeeping(requests: list[TraceRequest], allocator: str = "paged", a
 
 def _prefix_cache(kind: str | None, eviction: str, block_size: int):
     """(prefix cache or None, the block manager's prefix_match) by name."""
-    if kind is None:
-        return None, "page"
-    from kvlab.cache.prefix_cache import PrefixCache
-    from kvlab.cache.radix_cache import RadixCache
+    from kvlab.cache.prefix_index import prefix_index
     from kvlab.registry import PREFIX_EVICTIONS
 
-    policy = PREFIX_EVICTIONS.build(eviction)
-    if kind == "radix":
-        return RadixCache(block_size, policy, b"replay"), "token"
-    if kind == "hash":
-        return PrefixCache(block_size, policy, b"replay"), "page"
-    raise ValueError(f"prefix_cache must be None, 'hash' or 'radix', got {kind!r}")
+    if kind not in (None, "hash", "radix"):
+        raise ValueError(f"prefix_cache must be None, 'hash' or 'radix', got {kind!r}")
+    return prefix_index(kind, PREFIX_EVICTIONS.build(eviction) if kind else None, block_size, b"replay")
 
 
 def _breakdown(t: float, scheduler: Scheduler, bm: BlockManager, final: dict[int, int], pool: int) -> tuple:
