@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-heavy bench bench-kernels parity
+.PHONY: setup run test test-unit test-heavy bench bench-kernels parity
 
 setup:
 	@bash scripts/setup_env.sh
@@ -17,6 +17,9 @@ run: setup  ## the default experiment: SmolLM2-135M, quality + throughput
 TEST_WORKERS ?= 2
 test: setup  ## the test suite (under ~15 minutes on 2 CPU cores; a worker per core, a test file per worker)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+test-unit: setup  ## the default suite without the tests that start other processes (pip, notebooks, sweeps)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not heavy and not process" $(ARGS)
 
 test-heavy: setup  ## the slow cases (full benchmark smoke runs, large sweeps)
 	$(PY) -m pytest -q -m heavy $(ARGS)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from html.parser import HTMLParser
 
+import pytest
 from exp_helpers import REPO, needs_data
+
+pytestmark = pytest.mark.process  # another Python process: in the default suite, out of `make test-unit`
 
 
 class _Rows(HTMLParser):

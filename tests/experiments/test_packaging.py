@@ -9,6 +9,8 @@ import sys
 import pytest
 from exp_helpers import REPO, kvlab_cmd, run_env
 
+pytestmark = pytest.mark.process  # another Python process: in the default suite, out of `make test-unit`
+
 
 def test_installed_package_ships_its_configs(tmp_path):
     source, target, elsewhere = tmp_path / "source", tmp_path / "site", tmp_path / "elsewhere"

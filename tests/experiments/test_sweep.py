@@ -11,6 +11,8 @@ from exp_helpers import kvlab_cmd, needs_data, run_env
 from kvlab.study.analysis import load_runs
 from kvlab.study.sweep_ledger import read_ledger
 
+pytestmark = pytest.mark.process  # another Python process: in the default suite, out of `make test-unit`
+
 TINY = ["model=random-llama-tiny", "task=agreement", "workload=none", "task.num_prompts=2",
         "task.prompt_length=32", "task.max_new_tokens=4", "engine.kv_cache_memory=2MiB", "progress=false"]
 

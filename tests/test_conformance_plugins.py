@@ -1,0 +1,59 @@
+"""The draft and allocator conformance suites (kvlab.testing) on the built-in plugins, and each suite
+catching a plugin that breaks its contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.testing import check_allocator, check_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODEL = "random:llama-tiny"
+
+
+@pytest.mark.parametrize("name, args", [
+    ("ngram", {"num_tokens": 3}),
+    ("model", {"model": MODEL, "num_tokens": 3}),
+    ("layerskip", {"layers": 1, "num_tokens": 3}),
+    ("tree", {"layers": 1, "width": 2, "depth": 2}),
+])
+def test_builtin_drafts_conform(name, args):
+    check_draft(name, args, model=MODEL)
+
+
+@pytest.mark.parametrize("name", ["paged", "contiguous"])
+def test_builtin_allocators_conform(name):
+    check_allocator(name, model=MODEL)
+
+
+def test_a_draft_whose_tokens_leak_into_the_output_fails_the_suite(monkeypatch):
+    from kvlab.speculation.speculator import Speculator
+
+    verify = Speculator.verify
+
+    def accept_everything(self, out, generators):  # a lossy verifier: the draft's first token always wins
+        verified, rejected = verify(self, out, generators)
+        return [(seq, [t + 1 if i == 0 else t for i, t in enumerate(toks)]) for seq, toks in verified], rejected
+
+    monkeypatch.setattr(Speculator, "verify", accept_everything)
+    with pytest.raises(AssertionError, match="greedy output differs from plain decoding"):
+        check_draft("ngram", {"num_tokens": 3}, model=MODEL)
+
+
+def test_an_allocator_that_loses_pages_fails_the_suite():
+    from kvlab.cache.allocators.paged import PagedAllocator
+    from kvlab.registry import ALLOCATORS
+
+    @ALLOCATORS.register("test-losing")
+    class Losing(PagedAllocator):
+        def free(self, seq_id):  # forgets to give back the last page of every table longer than one
+            table = self.tables[seq_id]
+            if len(table) > 1:
+                self.tables[seq_id] = table[:-1]
+            super().free(seq_id)
+
+    try:
+        with pytest.raises(AssertionError, match="allocator 'test-losing'"):
+            check_allocator("test-losing", model=MODEL)
+    finally:
+        ALLOCATORS._classes.pop("test-losing", None)
