@@ -6,7 +6,7 @@ those of rows in an area of their own. Tiny random Llama (2 layers, 2 KV heads o
 import pytest
 import torch
 
-import kvlab.engine.llm_engine
+import kvlab.engine.build
 from kvlab import LLM, SamplingParams
 
 MODEL = "random:llama-tiny"
@@ -29,7 +29,7 @@ def engine(quant, pages: int | None = None, memory="1MiB", **kw) -> LLM:
 
 def own_rows(monkeypatch):
     """Engines built from here on keep residual rows in an area of their own (one row per page)."""
-    monkeypatch.setattr(kvlab.engine.llm_engine, "lessor_for", lambda *a, **k: None)
+    monkeypatch.setattr(kvlab.engine.build, "lessor_for", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("quant,k", [("int4", 8), ("int2", 16)])
