@@ -19,8 +19,8 @@ from kvlab.cache.allocators.paged import PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.cache.kv_cache import KVCache, bytes_per_block
 from kvlab.cache.paged_kv import PagedKV
-from kvlab.cache.quant.lease import lessor_for, row_claims
 from kvlab.cache.prefix_index import prefix_index
+from kvlab.cache.quant.lease import lessor_for, row_claims
 from kvlab.engine import attention
 from kvlab.engine.capabilities import Capabilities, capabilities, check
 from kvlab.engine.model_runner import ModelRunner
