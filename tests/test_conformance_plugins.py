@@ -18,7 +18,7 @@ MODEL = "random:llama-tiny"
     ("tree", {"layers": 1, "width": 2, "depth": 2}),
 ])
 def test_builtin_drafts_conform(name, args):
-    check_draft(name, args, model=MODEL)
+    check_draft(name, args, model=MODEL, small_pool="40KiB")  # a pool that preempts every draft's requests
 
 
 @pytest.mark.parametrize("name", ["paged", "contiguous"])

@@ -7,7 +7,8 @@
 
 Each check raises AssertionError naming what failed:
 - outputs: greedy tokens equal the `paged` allocator's, in an ample pool and in one small enough that
-  requests are preempted and recomputed, and with a compressing policy when the allocator compacts;
+  requests are preempted and recomputed (or, for an allocator that reserves whole sequences, admitted
+  fewer at a time), and with a compressing policy when the allocator compacts;
 - accounting: while requests run, no page is in two tables unless both hold it by reference (forks),
   and free + used pages always equal the pool;
 - nothing left: once every request finished or was aborted, every page is free and no table remains.
@@ -23,12 +24,13 @@ from kvlab.testing.policies import prompts
 
 
 def check_allocator(name: str, allocator_args: dict | None = None, model: str = "random:llama-tiny",
-                    max_tokens: int = 12, **engine_args) -> None:
-    """Run the allocator conformance checks for allocator `name` with `allocator_args` on `model`."""
+                    max_tokens: int = 12, small_pool: str = "48KiB", **engine_args) -> None:
+    """Run the allocator conformance checks for allocator `name` with `allocator_args` on `model`
+    (`small_pool`: a KV budget in which the prompts are preempted)."""
     load_plugins()
     allocator_args = allocator_args or {}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    configs = [dict(), dict(kv_cache_memory="48KiB", max_num_batched_tokens=32)]
+    configs = [dict(), dict(kv_cache_memory=small_pool, max_num_batched_tokens=32)]
     if ALLOCATORS.get(name).compact is not Allocator.compact:
         configs.append(dict(policy="snapkv", policy_args={"compression_ratio": 0.5, "window_size": 8}))
     batch = None
@@ -44,6 +46,11 @@ def check_allocator(name: str, allocator_args: dict | None = None, model: str = 
             outs.update({o.request_id: o.token_ids for o in engine.step()})
             _check_accounting(llm, name)
         got = [outs[i] for i in ids]
+        if "kv_cache_memory" in config:  # the pool must have constrained it: preempted, or run fewer at once
+            stats = llm.stats()
+            assert stats["preemptions"] > 0 or stats["max_concurrent_seqs"] < len(batch), (
+                f"allocator {name!r}: the small pool constrained nothing, so the check did not run: pass a "
+                f"smaller small_pool")
         assert got == want, f"allocator {name!r}: tokens differ from the paged allocator's with {config or 'defaults'}"
         _check_free(llm, name)
         ids = [engine.add_request(p, params) for p in batch]  # aborts: running and waiting

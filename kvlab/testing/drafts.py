@@ -24,8 +24,10 @@ from kvlab.testing.policies import prompts
 
 
 def check_draft(name: str, draft_args: dict | None = None, model: str = "random:llama-tiny",
-                loaded: LoadedModel | None = None, max_tokens: int = 16, **engine_args) -> None:
-    """Run the draft conformance checks for draft `name` with `draft_args` on `model`."""
+                loaded: LoadedModel | None = None, max_tokens: int = 16, small_pool: str = "48KiB",
+                **engine_args) -> None:
+    """Run the draft conformance checks for draft `name` with `draft_args` on `model` (`small_pool`: a KV
+    budget in which the prompts are preempted, for the preemption check)."""
     draft_args = draft_args or {}
 
     def make(**kw) -> LLM:
@@ -40,8 +42,10 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding"
     _check_nothing_left(drafted, name)
 
-    small = make(draft=name, draft_args=draft_args, kv_cache_memory="48KiB", max_num_batched_tokens=32)
+    small = make(draft=name, draft_args=draft_args, kv_cache_memory=small_pool, max_num_batched_tokens=32)
     got = [o.token_ids for o in small.generate(batch, greedy)]
+    assert small.stats()["preemptions"] > 0, f"draft {name!r}: the small pool preempted nothing, so the check " \
+                                             f"did not run: pass a smaller small_pool for {model!r}"
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding under preemption"
     _check_nothing_left(small, name)
 
