@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig, EngineOptionError
 from kvlab.outputs import CompletionOutput, RequestOutput

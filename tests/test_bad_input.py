@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.engine_config import EngineConfig, EngineOptionError
 from kvlab.registry import ALLOCATORS, POLICIES, QUANT_FORMATS, UnknownPluginError

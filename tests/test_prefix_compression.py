@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.cache.allocators import NULL_BLOCK
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.outputs import RequestOutput
 from kvlab.registry import UnknownPluginError

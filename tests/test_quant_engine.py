@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 from kvlab import LLM, SamplingParams
 from kvlab.registry import QUANT_FORMATS, UnknownPluginError
 

@@ -76,7 +76,8 @@ class LLMEngine:
     def check_params(self, params) -> SamplingParams:
         """`params` if this engine can run them; else an error naming what cannot run (before any step)."""
         params = as_sampling_params(params)
-        check(dataclasses.replace(self.capabilities, samples=params.n), "request")
+        if params.n > 1:
+            check(dataclasses.replace(self.capabilities, samples=params.n), "request")
         vocab = self.model_config.vocab_size
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:

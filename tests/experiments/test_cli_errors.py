@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import kvlab.engine.build
-import kvlab.engine.llm_engine
 import kvlab.models
 from kvlab.__main__ import main
 from kvlab.study.experiment import read_record
