@@ -327,6 +327,7 @@ def test_model_draft_needs_the_targets_vocabulary():
 
 
 @pytest.mark.model
+@pytest.mark.heavy  # loads Gemma 3 as the draft (~60 s); the check itself is tested above on tiny models
 def test_model_draft_with_another_tokenizer_fails_before_any_request(fresh_model):
     with pytest.raises(ValueError, match=r"draft 'model': 'gemma3-270m' cannot draft for 'smollm2-135m': its "
                                          r"vocabulary has \d+ tokens, the target's 49152.*'slem' or 'tli'"):

@@ -22,6 +22,7 @@ import pandas as pd
 
 from kvlab.study.experiment import read_record
 from kvlab.study.loggers.local import RECORD
+from kvlab.study.run_archive import is_archive, opened
 
 FIRST = ["run_dir", "name", "status", "source"]
 
@@ -31,9 +32,13 @@ FIRST = ["run_dir", "name", "status", "source"]
 
 def load_runs(source: str | Path, include_failed: bool = True) -> pd.DataFrame:
     """One row per run found under a local folder (every kvlab run writes its record, kvlab.study.loggers.local,
-    whatever its W&B mode), or in a W&B project ("entity/project") through the W&B public API when online."""
+    whatever its W&B mode), in a study's archive of runs (`.tar.gz`, kvlab.study.run_archive), or in a W&B project ("entity/project") through the W&B public API when online."""
     path = Path(source).expanduser()
-    if path.exists():
+    if is_archive(path):  # a study's runs packed into one .tar.gz (kvlab.study.run_archive)
+        with opened(path) as folder:
+            rows = [{**local_row(p), "run_dir": f"{path}:{p.parent.relative_to(folder)}"}
+                    for p in sorted(folder.rglob(RECORD))]
+    elif path.exists():
         rows = [local_row(p) for p in sorted(path.rglob(RECORD))]
     elif "/" in str(source) and not str(source).startswith((".", "/", "~")):
         rows = wandb_api_rows(str(source))

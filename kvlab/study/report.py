@@ -2,6 +2,8 @@
 
     kvlab-report multirun/leaderboard                      # writes into the sweep folder
     kvlab-report multirun/leaderboard --out report/ --quality "top-1 match"
+    kvlab-report experiments/results/runs/leaderboard_smollm2.tar.gz --out experiments/results/leaderboard_smollm2
+                                                           # a committed study's archive of runs
 
 Writes, into the sweep folder or `--out`:
     leaderboard.md         the table (kvlab.study.analysis.leaderboard) and the plots, with the command
@@ -12,7 +14,8 @@ Writes, into the sweep folder or `--out`:
     pareto_<cost>[_<n>].png  quality against KV MiB held and against tokens/s, Pareto front drawn
                            (one plot per dataset when the sweep has several)
     leaderboard.html       one self-contained page: the table and the plots inlined (base64), no
-                           external URL, opens without network
+                           external URL, opens without network (generated: not committed under
+                           experiments/results/, which .gitignore keeps to reviewable reports)
 and logs the table as a W&B Table when W&B is on (the sweep's runs logged to W&B, or --wandb on).
 A record it cannot read stops it, exit status 1, naming the file and the line
 (kvlab.study.experiment.read_record): no start line, a line that is not a record event, a metric that
@@ -32,6 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvlab.study.analysis import leaderboard, load_runs, markdown_table, merge_tasks, plot_pareto, score_columns
+from kvlab.study.run_archive import is_archive, stem
 
 log = logging.getLogger("kvlab")
 
@@ -139,14 +143,14 @@ def write_report(sweep: str | Path, out: str | Path | None = None, quality: str 
                  command: str | None = None) -> Report:
     """Read the sweep, build the leaderboard and write the Markdown, CSV, PNGs and HTML into `out`."""
     sweep = Path(sweep)
-    if not sweep.is_dir():
-        raise FileNotFoundError(f"kvlab-report: sweep folder {sweep} does not exist")
+    if not (sweep.is_dir() or is_archive(sweep)):
+        raise FileNotFoundError(f"kvlab-report: sweep folder (or .tar.gz of runs) {sweep} does not exist")
     runs = load_runs(sweep)
     if runs.empty or not (runs["status"] == "finished").any():
         raise ValueError(f"kvlab-report: no finished run under {sweep} (a kvlab sweep writes run.jsonl per job)")
     board = leaderboard(runs)
     report = Report(board, choose_quality(board, quality))
-    out = Path(out) if out is not None else sweep
+    out = Path(out) if out is not None else (sweep.parent / stem(sweep) if is_archive(sweep) else sweep)
     out.mkdir(parents=True, exist_ok=True)
     command = command or f"kvlab-report {sweep}"
     report.merged = merge_tasks(board)
@@ -203,8 +207,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def cli(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(prog="kvlab-report", description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep", help="a sweep folder (multirun/<name>) or any folder of kvlab runs")
-    p.add_argument("--out", default=None, help="output folder (default: the sweep folder)")
+    p.add_argument("sweep", help="a sweep folder (multirun/<name>), any folder of kvlab runs, or a study's "
+                                 ".tar.gz of runs (kvlab.study.run_archive)")
+    p.add_argument("--out", default=None, help="output folder (default: the sweep folder; for an archive "
+                                               "runs/<study>.tar.gz, runs/<study>/)")
     p.add_argument("--quality", default=None, help="leaderboard column on the plots' y axis "
                                                    "(default: the first score column)")
     p.add_argument("--wandb", choices=("auto", "on", "off"), default="auto",

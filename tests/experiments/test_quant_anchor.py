@@ -26,6 +26,7 @@ def test_tensor_bytes_looks_inside_quantos_packed_tensors():
 
 
 @needs_data("wikitext-2-raw")
+@pytest.mark.heavy  # both systems on SmolLM2 (~40 s); its byte counting is checked above without a model
 def test_anchor_runs_both_systems_and_the_integer_formats_hold_fewer_bytes(tmp_path):
     pytest.importorskip("optimum.quanto", reason="optimum-quanto is installed by the `anchors` extra")
     from bench_quant_anchor import main

@@ -6,13 +6,16 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
+import tarfile
 from html.parser import HTMLParser
 
 import pandas as pd
 import pytest
-from exp_helpers import DATA, kvlab_cmd, run_env
+from exp_helpers import DATA, REPO, kvlab_cmd, run_env
 
 from kvlab.study.analysis import leaderboard, load_runs, markdown_table, pareto_front
+from kvlab.study.report import write_report
+from kvlab.study.run_archive import pack
 
 # 3 jobs, seconds each: full and two compressing policies at ratio 0.5 on prompts long enough to evict,
 # with a shared-prefix workload so the KV-bytes / tokens / tokens/s / TTFT / bytes-freed columns are measured
@@ -116,6 +119,31 @@ def test_kvlab_report_refuses_a_folder_without_runs_and_an_unknown_quality(sweep
                           "--quality", "accuracy"], env=run_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--quality 'accuracy' is not a leaderboard column" in bad.stderr
     assert "greedy match" in bad.stderr
+
+
+def test_a_sweep_packed_into_an_archive_reads_and_reports_as_its_folder(sweep, tmp_path):
+    archive = pack(sweep, tmp_path / "runs" / "tiny_sweep.tar.gz")
+    members = tarfile.open(archive).getnames()
+    assert members and all(m.startswith("tiny_sweep/") for m in members)
+    folder, packed = load_runs(sweep), load_runs(archive)
+    assert len(packed) == len(folder) == 3
+    assert all(d.startswith(f"{archive}:") for d in packed["run_dir"])
+    pd.testing.assert_frame_equal(packed.drop(columns="run_dir"), folder.drop(columns="run_dir"))
+    report = write_report(archive, command="kvlab-report archive")
+    assert report.files["csv"] == tmp_path / "runs" / "tiny_sweep" / "leaderboard.csv"  # beside the archive
+    pd.testing.assert_frame_equal(pd.read_csv(report.files["csv"]), leaderboard(folder).reset_index(drop=True),
+                                  check_dtype=False)
+
+
+def test_committed_results_hold_reports_not_run_folders_or_generated_pages():
+    """experiments/results/ is reviewed in diffs: run records go into runs/<study>.tar.gz, HTML is generated."""
+    tracked = subprocess.run(["git", "ls-files", "experiments/results"], cwd=REPO, capture_output=True, text=True)
+    if tracked.returncode != 0 or not tracked.stdout:
+        pytest.skip("not a git checkout")
+    paths = tracked.stdout.split()
+    assert not [p for p in paths if p.endswith(".html")]
+    assert not [p for p in paths if p.endswith("run.jsonl") or "/.hydra/" in p]  # a sweep folder committed as is
+    assert max(len(p) for p in paths) <= 100, max(paths, key=len)
 
 
 def test_pareto_front_keeps_the_undominated_rows():
