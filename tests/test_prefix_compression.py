@@ -73,9 +73,8 @@ def pin(llm: LLM, hits: dict[tuple, int]) -> None:
 
 
 def page_contents(llm: LLM, page: int) -> list[torch.Tensor]:
-    cache = llm.engine.cache  # element-wise formats: one tensor per side; packed ones: their parts
-    pools = [t for pool in (*cache._k, *cache._v) for t in (pool.parts.values() if hasattr(pool, "parts") else [pool])]
-    return [pool[page].clone() for pool in pools]
+    # element-wise formats: one tensor per side; packed ones: their parts
+    return [pool[page].clone() for pool in llm.engine.cache.page_tensors()]
 
 
 def watch_pages(llm: LLM) -> dict:

@@ -117,7 +117,7 @@ class ResidualArea:
 
 @dataclass
 class WritePlan:
-    """Where one write's tokens go, shared by every layer of a group (built by KVCache)."""
+    """Where one write's tokens go, shared by every layer of a group (built by kvlab.cache.packed_layout)."""
 
     slots: torch.Tensor  # [N] int64 slots written (padding dropped)
     keep: torch.Tensor | None  # [T] bool rows of the input that are written (None: all)
