@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlab import LLM, SamplingParams
-from kvlab.engine.capabilities import REFUSED, refused_markdown
+from kvlab.engine.capabilities import REFUSED, deviations_markdown, refused_markdown
 
 MISSING = "does-not-exist"  # a model that cannot load: an error about the combination came first
 
@@ -31,9 +31,9 @@ CASES = {
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),
     "prefix caching with a non-paged allocator": (dict(allocator="contiguous", enable_prefix_caching=True),
                                                   dict(allocator="contiguous")),
-    "a draft with a compressing policy": (dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, draft="ngram"),
-                                          dict(draft="ngram")),
-    "a draft with prefix caching": (dict(draft="ngram", enable_prefix_caching=True), dict(enable_prefix_caching=True)),
+    "a draft with a policy compressing during decode": (
+        dict(policy="snapkv", policy_args={"compression_ratio": 0.5, "when": "decode"}, draft="ngram"),
+        dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, draft="ngram")),  # compressing in prefill
     "a token-tree draft with a packed format": (dict(draft="tree", quant="int4"), dict(draft="tree", quant="fp16")),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
@@ -94,11 +94,19 @@ def test_the_combination_is_refused_before_the_model_loads(name):
     assert MISSING in str(info.value), info.value
 
 
-def test_a_draft_with_parallel_samples_is_refused_when_the_request_is_made():
+def test_no_row_is_checked_when_the_request_is_made_any_more():
+    """A draft with parallel samples runs now (tests/test_composition.py): the request-time rows are gone."""
+    assert not [r.name for r in REFUSED if r.when == "request"]
     llm = LLM("random:llama-tiny", draft="ngram", kv_cache_memory="1MiB")
-    with pytest.raises(ValueError, match=r"SamplingParams\(n=2\) with draft 'ngram' is not supported yet"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, n=2))
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, n=2))[0]
+    assert len(out.outputs) == 2
+
+
+def test_the_design_note_lists_the_deviations():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = re.search(r"## Combinations that run outside the contract\n(.*?)\n## ", text, re.S).group(1)
+    assert deviations_markdown() in section, "regenerate the list: python -c 'from kvlab.engine.capabilities " \
+                                             "import deviations_markdown; print(deviations_markdown())'"
 
 
 def test_the_sparse_read_with_statistics_refusal_applies_only_to_that_pair():

@@ -90,7 +90,7 @@ def test_move_path_puts_the_accepted_tree_nodes_after_the_root_and_rollback_drop
     write(bm, cache, seq, 0, 5, torch.Generator().manual_seed(2))
     bm.append(seq, 4)  # four tentative tree nodes after the root (cache index 4)
     nodes = write(bm, cache, seq, 5, 4, torch.Generator().manual_seed(3))
-    kv.move_path(seq, 4, [2, 4])  # nodes 2 and 4 (cache indices 6 and 8) were accepted
+    kv.move_path(seq, 4, [2, 4])  # of 4 nodes after the root (cache index 4), nodes 2 and 4 (indices 6, 8) accepted
     kv.rollback(seq, 2)
     assert bm.cached_lens([seq], 0)[0] == 7
     for layer in LAYERS:

@@ -271,8 +271,8 @@ def test_smollm2_greedy_with_ngram_matches_plain(fresh_model):
 
 
 def test_speculation_with_features_it_does_not_support_yet_fails_before_any_work():
-    with pytest.raises(ValueError, match="enable_prefix_caching is not supported yet"):
-        LLM("random:llama-tiny", draft="ngram", enable_prefix_caching=True)
-    llm = LLM("random:llama-tiny", draft="ngram")
-    with pytest.raises(ValueError, match="n=2"):
-        llm.generate([[5, 6, 7] * 20], SamplingParams(n=2, temperature=1.0, max_tokens=3))
+    with pytest.raises(ValueError, match="compressing during decode"):
+        LLM("random:llama-tiny", draft="ngram", policy="snapkv", policy_args={"budget": 8, "when": "decode"})
+    llm = LLM("random:llama-tiny", draft="ngram")  # parallel samples with a draft run (tests/test_composition.py)
+    out = llm.generate([[5, 6, 7] * 20], SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=1))[0]
+    assert len(out.outputs) == 2 and all(len(c.token_ids) == 3 for c in out.outputs)

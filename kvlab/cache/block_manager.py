@@ -220,10 +220,17 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """`seq`'s computed tokens are final: register its full pages in the prefix cache (none once a
-        policy compacted it: its cache indices no longer follow token positions)."""
+        policy compacted it: its cache indices no longer follow token positions). Only tokens already in
+        `token_ids` are hashed: after a verify step the accepted drafts are computed before the engine
+        appends them; the engine commits again once it has (LLMEngine._postprocess)."""
         if self.prefix_cache is not None and seq.seq_id not in self._compacted:
-            self.prefix_cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+            self.prefix_cache.commit(seq.seq_id, seq.token_ids, self._committed(seq), self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
+
+    @staticmethod
+    def _committed(seq: Sequence) -> int:
+        """Leading tokens both computed and appended (their K/V final, their ids known)."""
+        return min(seq.num_computed_tokens, len(seq.token_ids))
 
     # -- state machine ---------------------------------------------------------
     def begin_step(self) -> None:
@@ -317,7 +324,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         if self.prefix_cache is not None and seq.seq_id not in self._compacted:  # the radix tree keeps the last page
-            self.prefix_cache.retire(seq.seq_id, seq.token_ids, seq.num_computed_tokens, self._salt(seq),
+            self.prefix_cache.retire(seq.seq_id, seq.token_ids, self._committed(seq), self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
         for key in self._keys(seq):
             self.allocator.free(key)

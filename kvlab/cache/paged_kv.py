@@ -9,8 +9,10 @@ tensors hold (the KV cache). `PagedKV` is the only place that does both, each as
                                     K/V move to the front (a shared or cached page is never written)
     compact_heads(seq, group, keep, protected)
                                     per-head budgets: KV head h keeps keep[h], moved into the same slots
-    move_path(seq, root, nodes)     a token tree's accepted path: node nodes[j]'s K/V moves to cache index
-                                    root + j (then `rollback` drops the rest)
+    move_path(seq, num_nodes, nodes)
+                                    a token tree's accepted path (of its `num_nodes` tentative slots after
+                                    the root, the last committed token): node nodes[j]'s K/V moves to cache
+                                    index root + j, in each group's own indices (then `rollback` drops the rest)
     rollback(seq, num_tokens)       rejected tentative tokens: their slots go (an open packed page is
                                     re-encoded on its next write; nothing to move)
 
@@ -57,13 +59,16 @@ class PagedKV:
         src = old[torch.tensor(keep, dtype=torch.long, device=device)[:, protected:]]  # [Hkv, m - p]
         self.cache.move_head_slots(src, new)
 
-    def move_path(self, seq: Sequence, root: int, nodes: list[int]) -> None:
+    def move_path(self, seq: Sequence, num_nodes: int, nodes: list[int]) -> None:
         """Accepted tree node nodes[j - 1] (its slot after the root's, at cache index root + node) -> cache
-        index root + j, in every layer group (before `rollback` drops everything past the path)."""
+        index root + j, in every layer group (before `rollback` drops everything past the path). The root
+        (the last committed token) is the slot before the tree's `num_nodes` tentative ones: its cache index
+        is the group's own (a compressing policy keeps fewer slots than tokens, per layer)."""
         bm, moves = self.block_manager, []
+        roots = [bm.cached_lens([seq], g)[0] - num_nodes - 1 for g in range(len(bm.groups))]
         for j, node in enumerate(nodes, start=1):
             if node != j:
-                for g in range(len(bm.groups)):
+                for g, root in enumerate(roots):
                     moves.append((bm.slot_ids(seq, g, root + node, root + node + 1)[0],
                                   bm.slot_ids(seq, g, root + j, root + j + 1)[0]))
         if moves:

@@ -30,11 +30,13 @@ class Capabilities:
     allocator: str
     draft: str | None
     compacts: bool  # the policy compacts block tables (it evicts or compresses tokens)
+    compresses_at_decode: bool  # the policy compresses again while decoding (when="decode")
     accumulated_attention: bool  # the policy ranks keys by the attention every query paid them
     head_budgets: bool  # the policy keeps a budget per KV head
     protects_shared_pages: bool  # the policy's select() takes `protected` (leading indices in shared pages)
     sparse_read: bool  # the policy reads only selected pages at decode
     packed: bool  # the format packs several tokens' codes and scales into a page
+    rounds: bool  # the format stores K/V coarser than the model computes them (packed, or a narrower dtype)
     backends: tuple[str, ...]  # kernel backends that read the format
     allocator_compacts: bool  # the allocator has compact()
     allocator_shares_cached: bool  # the allocator shares cached pages (allocate_cached)
@@ -46,15 +48,18 @@ class Capabilities:
 
 def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilities:
     cuda = torch.device(config.device).type == "cuda"
+    compute = getattr(torch, config.dtype)
     backend = "triton" if config.kernel_backend == "triton" or (config.kernel_backend == "auto" and cuda) else "torch"
     return Capabilities(
         policy=config.policy, quant=config.quant, allocator=config.allocator, draft=config.draft,
         compacts=bool(policy.compresses),
+        compresses_at_decode=bool(policy.compresses) and getattr(policy, "when", None) == "decode",
         accumulated_attention=bool(policy.needs_attention_stats),
         head_budgets=bool(policy.head_budgets),
         protects_shared_pages="protected" in inspect.signature(policy.select).parameters,
         sparse_read=isinstance(policy, SparseReadPolicy),
         packed=bool(getattr(quant, "packed", False)),
+        rounds=bool(getattr(quant, "packed", False)) or quant.storage_dtype(compute) != compute,
         backends=tuple(quant.backends),
         allocator_compacts=allocator_cls.compact is not Allocator.compact,
         allocator_shares_cached=hasattr(allocator_cls, "allocate_cached"),
@@ -114,15 +119,13 @@ REFUSED: list[Refusal] = [
             lambda c: c.prefix_caching and not c.allocator_shares_cached,
             lambda c: f"enable_prefix_caching with allocator {c.allocator!r} is not supported yet; use "
                       f"allocator='paged'"),
-    Refusal("a draft with a compressing policy", "tentative slots and compaction share cache indices",
-            lambda c: c.draft is not None and c.compacts,
-            lambda c: f"draft {c.draft!r} with policy {c.policy!r}: speculative decoding does not run with a "
-                      f"compressing policy yet (tentative slots and compaction share cache indices); use "
-                      f"policy='full' or draft=None"),
-    Refusal("a draft with prefix caching", "only committed tokens may be hashed, which nothing checks yet",
-            lambda c: c.draft is not None and c.prefix_caching,
-            lambda c: f"draft {c.draft!r} with enable_prefix_caching is not supported yet (committed tokens alone "
-                      f"should be hashed, which nothing checks yet); use one or the other"),
+    Refusal("a draft with a policy compressing during decode",
+            "a verify step can cross a compression point, and its rows would need per-row masks",
+            lambda c: c.draft is not None and c.compacts and c.compresses_at_decode,
+            lambda c: f"draft {c.draft!r} with policy {c.policy!r} compressing during decode (when='decode'): a "
+                      f"verify step can cross a compression point, where each query row would need the cache plain "
+                      f"decoding shows it (per-row masks), which is not built yet; use the policy's when='prefill' "
+                      f"or 'chunk' (then it composes with every draft), or draft=None"),
     Refusal("a token-tree draft with a packed format", "the accepted path's KV is moved slot by slot",
             lambda c: c.moves_kv_slots and c.packed,
             lambda c: f"draft {c.draft!r} with quant {c.quant!r}: the accepted path's KV is moved into place slot "
@@ -136,12 +139,39 @@ REFUSED: list[Refusal] = [
             lambda c: c.compacts and c.head_budgets and c.accumulated_attention,
             lambda c: f"policy {c.policy!r}: per-head budgets cannot use accumulated attention statistics yet (the "
                       f"statistics are gathered per layer)"),
-    Refusal("a draft with SamplingParams(n > 1)", "forked samples would share tentative slots",
-            lambda c: c.draft is not None and c.samples > 1,
-            lambda c: f"SamplingParams(n={c.samples}) with draft {c.draft!r} is not supported yet (forked samples "
-                      f"would share tentative slots); use n=1 or draft=None",
-            when="request"),
 ]
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A combination that runs but whose cache depends on more than its tokens and the configuration: the
+    contract's exception, declared here so the combination suite (kvlab.testing.check_combination) and the
+    design note say so instead of a silent difference."""
+
+    name: str
+    why: str
+    applies: Callable[[Capabilities], bool]
+    excuses: tuple[str, ...]  # what may then change the output: 'prefix hits', 'schedule', 'draft'
+
+
+DEVIATIONS: list[Deviation] = [
+    Deviation("prefix caching with a compressing policy",
+              "a sequence keeps the pages its prefix hit shared whole (select's `protected`) and compresses the "
+              "rest, so what it keeps depends on what the cache held when it was admitted (a second pass, or a "
+              "preempted request readmitted onto its own cached pages, may keep more)",
+              lambda c: c.prefix_caching and c.compacts, ("prefix hits", "schedule")),
+    Deviation("a rounding format under a changing schedule",
+              "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "
+              "(codes, scales, a narrower dtype) can turn into a different stored value: outputs may change with "
+              "batching, prefill chunking, preemption and the rows a draft adds (a batch-invariant mode, "
+              "not built yet, would make every pass compute each row alike)",
+              lambda c: c.rounds, ("prefix hits", "schedule", "draft")),
+]
+
+
+def deviations(caps: Capabilities) -> list[Deviation]:
+    """The declared deviations `caps` runs under."""
+    return [d for d in DEVIATIONS if d.applies(caps)]
 
 
 def check(caps: Capabilities, when: str = "build") -> None:
@@ -155,6 +185,11 @@ def refusal(caps: Capabilities, name: str) -> str | None:
     """The message of refusal `name` if it applies to `caps` (for checks made later, e.g. per request)."""
     r = next(r for r in REFUSED if r.name == name)
     return r.message(caps) if r.applies(caps) else None
+
+
+def deviations_markdown() -> str:
+    """The design note's list of combinations that run outside the contract, one line each."""
+    return "\n".join(f"- {d.name}: {d.why} (may change with: {', '.join(d.excuses)})" for d in DEVIATIONS)
 
 
 def refused_markdown() -> str:

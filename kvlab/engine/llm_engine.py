@@ -393,6 +393,9 @@ class LLMEngine:
                 if reason:
                     finished.append(self._finish(seq, reason, now))
                     break
+            else:
+                if len(run) > 1:  # a verified run: the pages its accepted drafts filled are findable now
+                    self.block_manager.commit(seq)
         for seq, rows, targets in out.score_rows:
             logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
             seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())

@@ -194,7 +194,7 @@ class Speculator:
 
     def _move_path(self, seq: Sequence, nodes: list[int]) -> None:
         """The accepted nodes' K/V to the cache indices right after the last committed token's."""
-        self.kv.move_path(seq, seq.num_tokens - 1, nodes)
+        self.kv.move_path(seq, len(seq.draft_token_ids), nodes)
 
     def _record(self, seqs: list[Sequence], ks: list[int], accepted: list[int]) -> None:
         self.num_verified += len(seqs)

@@ -40,14 +40,14 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
     drafted = make(draft=name, draft_args=draft_args)
     got = [o.token_ids for o in drafted.generate(batch, greedy)]
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding"
-    _check_nothing_left(drafted, name)
+    _check_nothing_left(drafted, f"draft {name!r}")
 
     small = make(draft=name, draft_args=draft_args, kv_cache_memory=small_pool, max_num_batched_tokens=32)
     got = [o.token_ids for o in small.generate(batch, greedy)]
     assert small.stats()["preemptions"] > 0, f"draft {name!r}: the small pool preempted nothing, so the check " \
                                              f"did not run: pass a smaller small_pool for {model!r}"
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding under preemption"
-    _check_nothing_left(small, name)
+    _check_nothing_left(small, f"draft {name!r}")
 
     sampled = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=7)
     first = [o.token_ids for o in drafted.generate(batch[:2], sampled)]
@@ -63,14 +63,16 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
         engine.abort(i)
     while engine.has_unfinished():
         engine.step()
-    _check_nothing_left(drafted, name)
+    _check_nothing_left(drafted, f"draft {name!r}")
 
 
 def _check_nothing_left(llm: LLM, name: str) -> None:
+    """No component keeps per-sequence state and the engine's (and a draft's private) pool is free (pages the
+    prefix cache keeps findable count as free: any request may take them)."""
     engine, bm = llm.engine, llm.engine.block_manager
-    assert engine.lifecycle.tracked() == {}, f"draft {name!r}: per-sequence state left: {engine.lifecycle.tracked()}"
-    assert bm.allocator.num_free_blocks == bm.num_blocks, f"draft {name!r}: the engine's pool was not freed"
+    assert engine.lifecycle.tracked() == {}, f"{name}: per-sequence state left: {engine.lifecycle.tracked()}"
+    assert bm.allocator.num_free_blocks == bm.num_blocks, f"{name}: the engine's pool was not freed"
     pool = getattr(engine.draft, "_pool", None)
     if pool is not None:
         dbm = pool.block_manager
-        assert dbm.allocator.num_free_blocks == dbm.num_blocks, f"draft {name!r}: the draft's pool was not freed"
+        assert dbm.allocator.num_free_blocks == dbm.num_blocks, f"{name}: the draft's pool was not freed"

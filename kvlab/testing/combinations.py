@@ -1,0 +1,124 @@
+"""The combination conformance suite: plugins that meet keep the contract, or are refused with a reason.
+
+    from kvlab.testing import check_combination
+
+    def test_my_policy_meets_the_drafts():
+        for draft in ("ngram", "model"):
+            check_combination(policy="my_policy", policy_args={...}, draft=draft)
+
+A configuration (engine arguments: policy, quant, draft, prefix caching, allocator, ...) either is refused
+by the capability table (kvlab.engine.capabilities) before the model loads, and `check_combination` returns
+"refused: <the error>", or it runs and holds (less what a deviation the table declares excuses: then it
+returns "runs outside the contract: ..."), each check raising AssertionError naming what failed:
+- exact with a draft: greedy output equals the same configuration without the draft, for prompts that
+  share a prefix and prompts that do not, with `n` samples each;
+- prefix hits change nothing: a second pass over the same prompts (every shared prefix now cached) gives the
+  first pass's tokens, and a prompt that hits nothing gives what prefix caching off gives;
+- schedule-independent: the same tokens in a pool small enough to preempt, with a 32-token step budget
+  (prefill chunked, drafts cut);
+- nothing left: once every request finished, no component keeps per-sequence state and the page pools are free.
+It returns "exact" when every check ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+
+from kvlab.engine.build import resolve
+from kvlab.engine.capabilities import Deviation, deviations
+from kvlab.engine_config import EngineConfig
+from kvlab.llm import LLM
+from kvlab.models import LoadedModel
+from kvlab.sampling_params import SamplingParams
+from kvlab.testing.drafts import _check_nothing_left
+
+
+def verdict(model: str = "random:llama-tiny", **engine_args) -> tuple[str | None, list[Deviation]]:
+    """(the capability table's error for this configuration or None, the declared deviations it runs
+    under), without loading a model."""
+    try:
+        *_, caps = resolve(EngineConfig(model=model, **engine_args))
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc), []
+    return None, deviations(caps)
+
+
+def shared_prompts(vocab: int, seed: int = 0) -> tuple[list[list[int]], int]:
+    """Three prompts sharing a 40-token prefix, then two of their own -> (prompts, how many share)."""
+    r = random.Random(seed)
+    prefix = [r.randrange(3, vocab) for _ in range(40)]
+    shared = [prefix + [r.randrange(3, vocab) for _ in range(k)] for k in (5, 17, 30)]
+    return shared + [[r.randrange(3, vocab) for _ in range(k)] for k in (23, 61)], len(shared)
+
+
+def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | None = None, n: int = 1,
+                      max_tokens: int = 12, pool: str = "4MiB", small_pools: tuple[str, ...] = ("24KiB", "32KiB", "40KiB", "48KiB", "64KiB", "96KiB"),
+                      **engine_args) -> str:
+    """Run the combination checks for the engine arguments `engine_args` (with `n` samples a prompt) ->
+    "exact", "runs outside the contract: <declared deviations>" (their checks left out) or "refused: <error>".
+    `pool`: the ample KV budget of every run but the preemption check's, which runs in the first of
+    `small_pools` that holds the largest request and preempts."""
+    why, deviating = verdict(model, **engine_args)
+    if why is not None:
+        return f"refused: {why}"
+    name = ", ".join(f"{k}={v!r}" for k, v in engine_args.items()) or "the defaults"
+    excused = {e for d in deviating for e in d.excuses}  # what the table says may change the output
+
+    def make(**kw) -> LLM:
+        gc.collect()  # the engines of earlier checks: their pools go before a new one is allocated
+        args = {"kv_cache_memory": pool, **engine_args, **kw}
+        return LLM(model, loaded=copy.deepcopy(loaded) if loaded is not None else None, **args)
+
+    def tokens(llm: LLM, batch) -> list[list[list[int]]]:
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(batch, greedy)]
+
+    greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n)
+    llm = make()
+    batch, num_shared = shared_prompts(llm.model_config.vocab_size)
+    first = tokens(llm, batch)
+    second = tokens(llm, batch)  # every shared prefix is cached now (with prefix caching)
+    if "prefix hits" not in excused:
+        assert second == first, f"{name}: a second pass over the same prompts (prefix hits) differs"
+    _check_nothing_left(llm, name)
+    if engine_args.get("draft") is not None and "draft" not in excused:
+        plain = make(draft=None, draft_args={})
+        assert tokens(plain, batch) == first, f"{name}: greedy output differs from the same cache without the draft"
+        assert tokens(plain, batch) == second, f"{name}: greedy output after prefix hits differs from the same " \
+                                               f"cache without the draft"
+    if engine_args.get("enable_prefix_caching"):
+        off, on = make(enable_prefix_caching=False), make()
+        fresh = batch[num_shared:]  # prompts that share no page with each other: a hit on nothing
+        assert tokens(on, fresh) == tokens(off, fresh), f"{name}: a prompt that hits nothing differs from " \
+                                                        f"prefix caching off"
+    if "schedule" not in excused:
+        _check_schedule_independence(make, batch, n, small_pools, name)
+    return f"runs outside the contract: {'; '.join(d.name for d in deviating)}" if deviating else "exact"
+
+
+def _check_schedule_independence(make, batch, n: int, small_pools, name: str) -> None:
+    """The same tokens in an ample pool and in a pool small enough to preempt with a 32-token step budget
+    (prefill chunked, drafts cut): ten requests at once, 40 new tokens each, so decoding outgrows the pool."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, n=n)
+    batch = batch * 2
+
+    def tokens(llm: LLM) -> list[list[list[int]]]:
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(batch, params)]
+
+    want = tokens(make())
+    for pool in small_pools:
+        small = make(kv_cache_memory=pool, max_num_batched_tokens=32)
+        try:
+            got = tokens(small)
+        except (ValueError, RuntimeError) as exc:  # the pool cannot hold the largest request: try the next one
+            if "the KV pool has only" in str(exc) or "cannot be scheduled in an empty pool" in str(exc):
+                continue
+            raise
+        if small.stats()["preemptions"] == 0:
+            continue
+        assert got == want, f"{name}: output differs under preemption and a 32-token step budget (pool {pool})"
+        _check_nothing_left(small, name)
+        return
+    raise AssertionError(f"{name}: no pool of {small_pools} both held the largest request and preempted, so the "
+                         f"preemption check did not run: pass small_pools for this model")

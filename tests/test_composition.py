@@ -1,0 +1,102 @@
+"""Plugins that meet (kvlab.testing.check_combination): a draft over a compressed cache, with prefix caching
+and with parallel samples gives what the same cache gives without it; what cannot meet is refused (or runs
+under a deviation the capability table declares)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.cache.block_manager import BlockManager
+from kvlab.sampling_params import SamplingParams
+from kvlab.sequence import Sequence
+from kvlab.testing import check_combination
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+COMPACTING = sorted(p for p in POLICY_ARGS if p != "rocketkv")  # rocketkv also reads sparsely: refused with a draft
+
+
+def combo(draft: str | None = None, policy: str = "full", **kw) -> dict:
+    args = dict(kw)
+    if draft is not None:
+        args.update(draft=draft, draft_args=DRAFT_ARGS[draft])
+    if policy != "full":
+        args.update(policy=policy, policy_args=POLICY_ARGS[policy])
+    return args
+
+
+@pytest.mark.parametrize("policy", COMPACTING)
+def test_ngram_speculation_over_every_compressed_cache_is_exact(policy):
+    assert check_combination(**combo("ngram", policy)) == "exact"
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_ARGS))
+@pytest.mark.parametrize("n", [1, 2])
+def test_every_draft_over_snapkv_is_exact_also_with_parallel_samples(draft, n):
+    assert check_combination(n=n, **combo(draft, "snapkv")) == "exact"
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_ARGS))
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_every_draft_with_prefix_caching_is_exact(draft, index):
+    assert check_combination(n=2, **combo(draft, enable_prefix_caching=True, prefix_cache=index)) == "exact"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("policy", COMPACTING)
+@pytest.mark.parametrize("draft", sorted(set(DRAFT_ARGS) - {"ngram"}))
+def test_every_draft_over_every_compressed_cache_is_exact(draft, policy):
+    assert check_combination(**combo(draft, policy)) == "exact"
+
+
+def test_declared_deviations_run_and_say_so():
+    got = check_combination(**combo("ngram", "snapkv", enable_prefix_caching=True))
+    assert got == "runs outside the contract: prefix caching with a compressing policy"
+    got = check_combination(**combo("layerskip", "snapkv", quant="int4"))
+    assert got == "runs outside the contract: a rounding format under a changing schedule"
+
+
+def test_a_policy_compressing_during_decode_is_refused_with_a_draft_and_runs_without():
+    args = combo("ngram", "snapkv")
+    args["policy_args"] = {**args["policy_args"], "when": "decode", "every": 8}
+    assert check_combination(**args).startswith("refused: draft 'ngram' with policy 'snapkv' compressing during decode")
+    assert check_combination(policy="snapkv", policy_args=args["policy_args"]) == "exact"
+
+
+def test_a_draft_with_sparse_reading_is_still_refused():
+    assert check_combination(**combo("ngram", "rocketkv")).startswith("refused: policy 'rocketkv' reads selected pages")
+
+
+def test_the_suite_catches_a_draft_that_changes_the_output(monkeypatch):
+    from kvlab.speculation.speculator import Speculator
+
+    verify = Speculator.verify
+
+    def off_by_one(self, out, generators):  # every accepted run's last token shifted: a lossy verifier
+        verified, rejected = verify(self, out, generators)
+        return [(seq, run[:-1] + [(run[-1] + 1) % self.vocab_size]) for seq, run in verified], rejected
+
+    monkeypatch.setattr(Speculator, "verify", off_by_one)
+    with pytest.raises(AssertionError, match="differs from the same cache without the draft"):
+        check_combination(**combo("ngram", "snapkv"))
+
+
+def test_only_appended_tokens_are_hashed_after_a_verify_step():
+    """After a verify step the accepted drafts are computed (num_computed_tokens) before the engine appends
+    them: committing must hash full pages of appended tokens only, and register the rest once appended."""
+    from kvlab.cache.allocators import PagedAllocator
+    from kvlab.cache.block_manager import LayerGroup
+    from kvlab.cache.prefix_cache import PrefixCache
+    from kvlab.registry import PREFIX_EVICTIONS
+
+    cache = PrefixCache(4, PREFIX_EVICTIONS.build("lru"), b"model")
+    bm = BlockManager([LayerGroup((0,))], PagedAllocator(), 16, 4, 64, prefix_cache=cache)
+    seq = Sequence(0, list(range(10, 16)), SamplingParams(max_tokens=8), 4, 0.0)  # 6 tokens
+    bm.allocate(seq, 6, bm.lookup(seq))
+    bm.append(seq, 3)
+    seq.num_computed_tokens = 9  # 6 + 3 accepted drafts, not yet appended
+    bm.commit(seq)
+    assert [n.tokens for n in cache.chains[0]] == [(10, 11, 12, 13)]  # the page of tokens 4..7 waits
+    seq.token_ids += [16, 17, 18]
+    bm.commit(seq)
+    assert [n.tokens for n in cache.chains[0]] == [(10, 11, 12, 13), (14, 15, 16, 17)]
