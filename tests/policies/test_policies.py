@@ -25,7 +25,7 @@ BUILTINS = {  # policy -> arguments that compress ~100-token prompts
     "h2o": {"budget": 32, "recent": 8},
     "expected_attention": {"budget": 32, "n_future_positions": 64},
     "adakv": {"budget": 32, "scorer_args": {"window_size": 8}},
-    "rocketkv": {"budget": 64, "window_size": 8, "kernel_size": 5},  # sparse reading: tests/test_sparse_read.py
+    "rocketkv": {"budget": 64, "window_size": 8, "kernel_size": 5},  # sparse reading: tests/policies/test_sparse_read.py
 }
 
 

@@ -16,7 +16,7 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.speculation.drafts.base import DraftModel, Proposal
-from test_speculation import BYTES_PER_TOKEN, MODEL, plain, prompts
+from helpers import BYTES_PER_TOKEN, MODEL, plain, prompts
 
 SAME = ("tree", {"model": MODEL, "width": 2, "depth": 3})  # first children always accepted
 OTHER = ("tree", {"model": MODEL, "seed": 1, "width": 3, "depth": 2, "branch_levels": 2})  # nearly all rejected
@@ -154,8 +154,7 @@ def test_sampled_tree_outputs_follow_the_plain_distribution():
     """End to end: 2,000 seeded sampled requests (temperature 1, top-k 4), a tree drafted by the
     target's first layer: the 2nd and 3rd output tokens follow plain sampling's distribution
     (two-sample chi-square at 99.9%)."""
-    from test_speculation import two_sample_chi_square
-    from test_verifier import chi2_critical
+    from helpers import chi2_critical, two_sample_chi_square
 
     n, prompt = 2000, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
     engine = dict(block_size=16, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)

@@ -1,5 +1,5 @@
 """Prefix-cache eviction policies (kvlab/cache/prefix_eviction/), torch-free: the order each one's paper
-defines on small scripted traces of park / unpark / hit / register / forget. (tests/test_prefix_cache.py
+defines on small scripted traces of park / unpark / hit / register / forget. (tests/cache/test_prefix_cache.py
 runs them inside the prefix cache.)"""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 manager's sharing (full and sliding-window groups), and a property-based run over
 random allocate / append / fork / free sequences that hit and evict, with and without a compressing
 policy's compactions in the mix, under every eviction policy (their order alone:
-tests/test_prefix_eviction.py).
+tests/cache/test_prefix_eviction.py).
 
 The property test keeps a shadow of every page's contents: a slot written for token i of a sequence
 holds that sequence's tokens[: i + 1] (what its KV depends on). Every slot a live sequence can still

@@ -41,7 +41,7 @@ CASES = {
 }
 UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
     "sparse reading with accumulated attention statistics",
-    "a format the kernel backend cannot read",  # through the engine: tests/test_quant_engine.py
+    "a format the kernel backend cannot read",  # through the engine: tests/cache/test_quant_engine.py
 }
 
 
@@ -121,7 +121,7 @@ def test_a_format_only_the_torch_backend_reads_is_refused_on_triton_only():
 
 
 def test_the_design_note_lists_the_table():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     section = re.search(r"## Combinations not supported yet\n(.*?)\n## ", text, re.S).group(1)
     assert refused_markdown() in section, "regenerate the list: python -c 'from kvlab.engine.capabilities " \
                                           "import refused_markdown; print(refused_markdown())'"
