@@ -57,7 +57,7 @@ def test_a_draft_that_never_proposes_fails_the_suite_rather_than_passing_vacuous
             return [Proposal([]) for _ in seqs]
 
     try:
-        with pytest.raises(AssertionError, match="draft 'test-silent' proposed nothing"):
+        with pytest.raises(AssertionError, match="draft 'test-silent' proposed nothing, so the check did not run"):
             check_draft("test-silent", model=MODEL)
     finally:
         DRAFTS._classes.pop("test-silent", None)
