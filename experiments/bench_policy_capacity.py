@@ -23,7 +23,7 @@ process, policies in turn, --repeats rounds (medians).
 own scheduler, block manager and policy budget are driven step by step in the engine's order (schedule,
 advance, record, compress, append a placeholder token, finish). What a policy keeps depends on lengths only
 (how many tokens, never which), so the concurrency, pages and preemptions equal a run's
-(tests/test_bench_policy_capacity.py checks it on the tiny model); it says nothing about tok/s or cost.
+(tests/experiments/test_bench_policy_capacity.py checks it on the tiny model); it says nothing about tok/s or cost.
 """
 
 from __future__ import annotations

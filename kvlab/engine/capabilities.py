@@ -6,7 +6,7 @@ a format's `packed` and `backends`; an allocator's `compact` and `allocate_cache
 `moves_kv_slots`). `capabilities(...)` reads them into named flags, and `REFUSED` is every combination
 that cannot run yet, each with the reason and the way out; `check(...)` raises the first that applies,
 before the model loads (the `request` ones when a request is made). The design note's list of refused
-combinations is `refused_markdown()` (tests/test_capabilities.py holds them equal).
+combinations is `refused_markdown()` (tests/engine/test_capabilities.py holds them equal).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the engine announces each event instead of calling each one's cleanup:
     aborted    it was stopped by the user, or a sample spawned by a failed step was discarded
 
 A subscriber has `on_sequence(event, seq)` and `num_tracked()` (the sequences it still keeps state for:
-tests/test_lifecycle_leaks.py checks every subscriber is at 0 once all requests are done).
+tests/engine/test_lifecycle_leaks.py checks every subscriber is at 0 once all requests are done).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
         check_draft("my_draft", {"num_tokens": 3})
 
 Each check raises AssertionError naming what failed:
-- greedy: the same tokens as plain decoding, for a batch of prompts of several lengths;
+- greedy: the same tokens as plain decoding, for a batch of prompts of several lengths (the draft
+  proposing tokens: a draft that proposes none fails rather than passing vacuously);
 - preemption: the same again in a pool small enough that requests are preempted and recomputed;
 - sampled: a seeded sampled request gives the same tokens twice (its stream is its own);
 - nothing left: once every request finished or was aborted, the draft, the speculator and the engine
@@ -40,6 +41,7 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
     drafted = make(draft=name, draft_args=draft_args)
     got = [o.token_ids for o in drafted.generate(batch, greedy)]
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding"
+    assert drafted.stats()["spec_drafted_tokens"] > 0, f"draft {name!r} proposed nothing, so the check did not run"
     _check_nothing_left(drafted, f"draft {name!r}")
 
     small = make(draft=name, draft_args=draft_args, kv_cache_memory=small_pool, max_num_batched_tokens=32)
@@ -47,6 +49,7 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
     assert small.stats()["preemptions"] > 0, f"draft {name!r}: the small pool preempted nothing, so the check " \
                                              f"did not run: pass a smaller small_pool for {model!r}"
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding under preemption"
+    assert small.stats()["spec_drafted_tokens"] > 0, f"draft {name!r} proposed nothing under preemption"
     _check_nothing_left(small, f"draft {name!r}")
 
     sampled = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=7)

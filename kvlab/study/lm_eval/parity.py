@@ -4,7 +4,7 @@
     compare(kv, hf)   # per task: worst |delta log-likelihood|, is_greedy / accuracy / generation mismatches, ...
 
 Both backends get the same tokenizer, `max_length` (kvlab: max_model_len - 1) and fp32 weights, loaded
-twice (the engine installs its paged attention on its own copy). Used by tests/test_lm_eval_parity.py
+twice (the engine installs its paged attention on its own copy). Used by tests/study/test_lm_eval_parity.py
 and experiments/bench_lm_eval.py.
 """
 

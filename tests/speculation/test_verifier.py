@@ -10,37 +10,15 @@ computed by hand, against the 99.9% quantile from the Wilson-Hilferty approximat
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from kvlab.speculation.verifier import acceptance_histogram, inverse_cdf, point_masses, speculative_sample
 
-V, K, N, START = 6, 3, 100_000, 0
+from helpers import CASES, V, chain, chi2_critical, chi_square
 
-
-def chi2_critical(df: int, z: float = 3.0902) -> float:
-    """Upper 99.9% quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic over the cells of positive probability (cells of probability 0 must be empty)."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    assert counts[probs == 0].sum() == 0, "a token of probability 0 was emitted"
-    expected = probs[probs > 0] * counts.sum()
-    return float(((counts[probs > 0] - expected) ** 2 / expected).sum()), int((probs > 0).sum()) - 1
-
-
-def chain(g, support=None) -> torch.Tensor:
-    """A random transition matrix [V, V], each row supported on `support` (default: everything)."""
-    w = torch.rand(V, V, generator=g, dtype=torch.float64) + 0.05
-    if support is not None:
-        mask = torch.zeros(V, dtype=torch.bool)
-        mask[support] = True
-        w = w * mask
-    return w / w.sum(-1, keepdim=True)
+K, N, START = 3, 100_000, 0
 
 
 def verify_round(P, Q, prev: torch.Tensor, g, point: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,20 +37,6 @@ def verify_round(P, Q, prev: torch.Tensor, g, point: bool) -> tuple[torch.Tensor
     emitted = torch.cat([draft, final[:, None]], 1)  # [B, K+1]
     emitted[torch.arange(B), accepted] = final  # the final token sits right after the accepted prefix
     return accepted, emitted
-
-
-def point_chain(g) -> torch.Tensor:
-    """A deterministic draft: after token t it proposes a fixed token (an n-gram lookup's point mass)."""
-    return point_masses(torch.randint(0, V, (V,), generator=g), V, torch.float64)
-
-
-CASES = {
-    "q=p": lambda g, P: P,
-    "random q": lambda g, P: chain(g),
-    "disjoint supports": lambda g, P: chain(g, [3, 4, 5]),  # the target lives on 0, 1, 2
-    "point-mass q": lambda g, P: point_chain(g),
-    "q zero on part of p's support": lambda g, P: chain(g, [0, 1]),
-}
 
 
 @pytest.mark.parametrize("case", list(CASES))

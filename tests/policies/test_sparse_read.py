@@ -165,7 +165,7 @@ def test_page_summaries_are_exact_after_writes_copies_and_compaction():
 
 
 # -- quest in the engine --------------------------------------------------------------------
-def test_quest_conforms():  # rocketkv evicts, so it runs with the compressing built-ins (tests/test_policies.py)
+def test_quest_conforms():  # rocketkv evicts, so it runs with the compressing built-ins (tests/policies/test_policies.py)
     check_policy("quest", {"budget": 32, "dense_layers": 1}, "random:llama-tiny")  # 2 layers: 1 sparse
 
 

@@ -1,6 +1,6 @@
 """kvlab as lm-eval's `kvlab` model, on random:llama-tiny: model_args routing and errors, the three request
 kinds against kvlab's own API, the offline task data, the Hydra task's metric names. The parity with
-lm-eval's `hf` backend on real weights is tests/test_lm_eval_parity.py."""
+lm-eval's `hf` backend on real weights is tests/study/test_lm_eval_parity.py."""
 
 from __future__ import annotations
 

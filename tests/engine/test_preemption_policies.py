@@ -18,8 +18,8 @@ import torch
 from kvlab import LLM, SamplingParams
 from kvlab.registry import POLICIES
 from kvlab.engine.scheduler import Scheduler
-from test_prefill_chunk import manager
-from test_scheduler import request, run_step
+
+from helpers import manager, request, run_step
 
 
 # -- torch-free: chunks end at compression points ------------------------------------------------

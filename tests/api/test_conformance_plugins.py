@@ -11,14 +11,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "random:llama-tiny"
 
 
-@pytest.mark.parametrize("name, args", [
-    ("ngram", {"num_tokens": 3}),
+@pytest.mark.parametrize("name, args", [  # the drafts of tests/speculation/ (NGRAM, SAME, LAYERSKIP, SELF there)
+    ("ngram", {"num_tokens": 4}),
     ("model", {"model": MODEL, "num_tokens": 3}),
     ("layerskip", {"layers": 1, "num_tokens": 3}),
-    ("tree", {"layers": 1, "width": 2, "depth": 2}),
+    ("tree", {"layers": 1, "width": 2, "depth": 3}),
 ])
 def test_builtin_drafts_conform(name, args):
-    check_draft(name, args, model=MODEL, small_pool="40KiB")  # a pool that preempts every draft's requests
+    """Greedy identity with plain decoding, again under preemption (a pool that preempts every draft's
+    requests; 4-token pages, so drafts and rollbacks cross page boundaries), seeded sampling, and
+    nothing left after finishing or aborting. tests/speculation/ runs the cases this does not: drafts
+    that are nearly always rejected, stops inside accepted runs, sliding windows, other batch shapes."""
+    check_draft(name, args, model=MODEL, small_pool="40KiB", block_size=4)
 
 
 @pytest.mark.parametrize("name", ["paged", "contiguous"])
@@ -38,6 +42,25 @@ def test_a_draft_whose_tokens_leak_into_the_output_fails_the_suite(monkeypatch):
     monkeypatch.setattr(Speculator, "verify", accept_everything)
     with pytest.raises(AssertionError, match="greedy output differs from plain decoding"):
         check_draft("ngram", {"num_tokens": 3}, model=MODEL)
+
+
+def test_a_draft_that_never_proposes_fails_the_suite_rather_than_passing_vacuously():
+    from dataclasses import dataclass
+
+    from kvlab.registry import DRAFTS
+    from kvlab.speculation.drafts.base import DraftModel, Proposal
+
+    @DRAFTS.register("test-silent")
+    @dataclass
+    class Silent(DraftModel):
+        def propose(self, seqs, lengths, generators):
+            return [Proposal([]) for _ in seqs]
+
+    try:
+        with pytest.raises(AssertionError, match="draft 'test-silent' proposed nothing, so the check did not run"):
+            check_draft("test-silent", model=MODEL)
+    finally:
+        DRAFTS._classes.pop("test-silent", None)
 
 
 def test_an_allocator_that_loses_pages_fails_the_suite():

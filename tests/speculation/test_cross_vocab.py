@@ -152,7 +152,7 @@ def test_stops_inside_an_accepted_run(draft, batch_size, block_size):
 def test_greedy_matches_plain_under_preemption(draft):
     """A target pool of 64 tokens for 8 requests: the scheduler preempts and recomputes; the draft's
     shadow of a preempted request is dropped and rebuilt from the committed tokens."""
-    from test_speculation import BYTES_PER_TOKEN
+    from helpers import BYTES_PER_TOKEN
 
     batch = prompts(8, seed=3)
     engine = {"block_size": 4, "kv_cache_memory": 64 * BYTES_PER_TOKEN, "max_num_batched_tokens": 32}
@@ -376,9 +376,8 @@ def test_tli_sampled_outputs_follow_the_plain_distribution():
     """End to end through the engine: 1,000 seeded sampled requests (temperature 1, top-k 4) with
     the `tli` draft (toy-b over toy-a, the target's own weights: drafts accepted and rejected) give
     the same distribution of the 2nd and 3rd output tokens as plain sampling (two-sample
-    chi-square at 99.9%). tests/test_cross_vocab_verifier.py checks the arithmetic with 10^5 rows."""
-    from test_speculation import two_sample_chi_square
-    from test_verifier import chi2_critical
+    chi-square at 99.9%). tests/speculation/test_cross_vocab_verifier.py checks the arithmetic with 10^5 rows."""
+    from helpers import chi2_critical, two_sample_chi_square
 
     n, prompt = 1000, prompts(1)[0]
     engine = dict(block_size=16, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)

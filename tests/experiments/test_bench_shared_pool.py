@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_shared_pool.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_shared_pool.py"
 
 
 @pytest.fixture(scope="module")

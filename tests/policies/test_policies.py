@@ -12,21 +12,10 @@ import torch
 from kvlab import LLM, SamplingParams
 from kvlab.registry import POLICIES
 from kvlab.testing import check_policy
+from kvlab.testing.builtin_args import POLICY_ARGS
 
-BUILTINS = {  # policy -> arguments that compress ~100-token prompts
-    "random": {"budget": 32},
-    "streaming_llm": {"budget": 32},
-    "knorm": {"budget": 32},
-    "keydiff": {"compression_ratio": 0.5},
-    "snapkv": {"budget": 32, "window_size": 8},
-    "tova": {"compression_ratio": 0.6},
-    "pyramidkv": {"budget": 32, "window_size": 8},
-    "chunkkv": {"budget": 32, "window_size": 8, "chunk_size": 5},
-    "h2o": {"budget": 32, "recent": 8},
-    "expected_attention": {"budget": 32, "n_future_positions": 64},
-    "adakv": {"budget": 32, "scorer_args": {"window_size": 8}},
-    "rocketkv": {"budget": 64, "window_size": 8, "kernel_size": 5},  # sparse reading: tests/test_sparse_read.py
-}
+BUILTINS = POLICY_ARGS  # policy -> arguments that compress ~100-token prompts (rocketkv's sparse reading:
+# tests/policies/test_sparse_read.py)
 
 
 def test_every_registered_compressing_policy_is_covered():

@@ -100,3 +100,11 @@ def test_only_appended_tokens_are_hashed_after_a_verify_step():
     seq.token_ids += [16, 17, 18]
     bm.commit(seq)
     assert [n.tokens for n in cache.chains[0]] == [(10, 11, 12, 13), (14, 15, 16, 17)]
+
+
+def test_every_registered_draft_is_in_the_combination_tests_or_said_why():
+    from kvlab.registry import DRAFTS, load_plugins
+
+    load_plugins()
+    cross_vocabulary = {"slem", "tli", "slrs"}  # they need two real tokenizers: tests/speculation/test_cross_vocab.py
+    assert set(DRAFTS.names()) == set(DRAFT_ARGS) | cross_vocabulary

@@ -1,8 +1,6 @@
 """Continuous batching with a real BlockManager over one shared pool, paged and contiguous. Torch-free.
 
-`run_step` plays the engine's part: after `schedule()` it marks the scheduled
-tokens computed, appends a fake sampled token to every sequence whose tokens
-are all computed, and finishes a sequence once it has its requested outputs.
+`run_step` (tests/helpers.py) plays the engine's part.
 """
 
 from __future__ import annotations
@@ -14,11 +12,10 @@ from hypothesis import strategies as st
 from kvlab.cache.allocators.base import NULL_BLOCK
 from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.registry import ALLOCATORS
-from kvlab.sampling_params import SamplingParams
-from kvlab.engine.scheduler import ScheduledBatch, Scheduler
+from kvlab.engine.scheduler import Scheduler
 from kvlab.sequence import Sequence, SequenceStatus
 
-FAKE_TOKEN = 7
+from helpers import FAKE_TOKEN, request, run_step
 
 
 def block_manager(num_blocks: int, block_size: int = 4, sliding_window: int | None = None,
@@ -31,30 +28,11 @@ def block_manager(num_blocks: int, block_size: int = 4, sliding_window: int | No
                         max_model_len, max_chunk)
 
 
-def request(seq_id: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
-    prompt = [(seq_id * 31 + i) % 97 + 10 for i in range(prompt_len)]
-    return Sequence(seq_id, prompt, SamplingParams(max_tokens=max_tokens), prompt_len + max_tokens, arrival_time=0.0)
-
-
 def scheduler(bm: BlockManager, max_num_seqs: int = 8, budget: int = 64, seqs=()) -> Scheduler:
     s = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     for seq in seqs:
         s.add(seq)
     return s
-
-
-def run_step(s: Scheduler) -> ScheduledBatch:
-    batch = s.schedule()
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
-    for seq in batch.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(FAKE_TOKEN)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                s.finish(seq, "length")
-    for seq in s.running:
-        s.block_manager.release_out_of_window(seq)
-    return batch
 
 
 def chunks_of(s: Scheduler, seq: Sequence, steps: int) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_throughput.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_throughput.py"
 
 
 def test_help_needs_no_model():

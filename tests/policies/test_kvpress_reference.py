@@ -19,7 +19,7 @@ import pytest
 
 from kvlab import LLM, SamplingParams
 
-HERE = Path(__file__).resolve().parents[1] / "experiments" / "kvpress_parity"
+HERE = Path(__file__).resolve().parents[2] / "experiments" / "kvpress_parity"
 KVLAB_NAME = {"knorm": "knorm", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",
               "keydiff": "keydiff", "pyramidkv": "pyramidkv", "pyramidkv_window8": "pyramidkv",
               "expected_attention": "expected_attention"}

@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_policy_capacity.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_policy_capacity.py"
 
 
 def load_bench():

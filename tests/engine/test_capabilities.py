@@ -41,7 +41,7 @@ CASES = {
 }
 UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
     "sparse reading with accumulated attention statistics",
-    "a format the kernel backend cannot read",  # through the engine: tests/test_quant_engine.py
+    "a format the kernel backend cannot read",  # through the engine: tests/cache/test_quant_engine.py
 }
 
 
@@ -95,7 +95,7 @@ def test_the_combination_is_refused_before_the_model_loads(name):
 
 
 def test_no_row_is_checked_when_the_request_is_made_any_more():
-    """A draft with parallel samples runs now (tests/test_composition.py): the request-time rows are gone."""
+    """A draft with parallel samples runs now (tests/engine/test_composition.py): the request-time rows are gone."""
     assert not [r.name for r in REFUSED if r.when == "request"]
     llm = LLM("random:llama-tiny", draft="ngram", kv_cache_memory="1MiB")
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, n=2))[0]
@@ -103,7 +103,7 @@ def test_no_row_is_checked_when_the_request_is_made_any_more():
 
 
 def test_the_design_note_lists_the_deviations():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     section = re.search(r"## Combinations that run outside the contract\n(.*?)\n## ", text, re.S).group(1)
     assert deviations_markdown() in section, "regenerate the list: python -c 'from kvlab.engine.capabilities " \
                                              "import deviations_markdown; print(deviations_markdown())'"
@@ -129,7 +129,7 @@ def test_a_format_only_the_torch_backend_reads_is_refused_on_triton_only():
 
 
 def test_the_design_note_lists_the_table():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     section = re.search(r"## Combinations not supported yet\n(.*?)\n## ", text, re.S).group(1)
     assert refused_markdown() in section, "regenerate the list: python -c 'from kvlab.engine.capabilities " \
                                           "import refused_markdown; print(refused_markdown())'"

@@ -1,7 +1,8 @@
 """Prefix caching, torch-free: the hashed page index, the paged allocator's cached-free pages, the block
-manager's sharing (full and sliding-window groups), eviction policies, and a property-based run over
+manager's sharing (full and sliding-window groups), and a property-based run over
 random allocate / append / fork / free sequences that hit and evict, with and without a compressing
-policy's compactions in the mix.
+policy's compactions in the mix, under every eviction policy (their order alone:
+tests/cache/test_prefix_eviction.py).
 
 The property test keeps a shadow of every page's contents: a slot written for token i of a sequence
 holds that sequence's tokens[: i + 1] (what its KV depends on). Every slot a live sequence can still
@@ -369,47 +370,6 @@ def test_sliding_window_group_shares_only_the_window():
     # the full group reused 5 pages; the window group (a query at 10 sees 8..10) only page [8 9]
     assert shadow.bm.prefix_cache.stats.hit_pages == 5 + 1
     shadow.check()
-
-
-def test_lru_evicts_a_requests_tail_first_and_older_requests_first():
-    lru = PREFIX_EVICTIONS.build("lru")
-    lru.park([1, 2, 3])
-    lru.park([4, 5])
-    lru.unpark(2)
-    assert [lru.evict() for _ in range(len(lru))] == [3, 1, 5, 4]
-
-
-def test_lfu_evicts_the_least_used_page_first():
-    lfu = PREFIX_EVICTIONS.build("lfu")
-    lfu.hit(1)
-    lfu.hit(1)
-    lfu.hit(3)
-    lfu.park([1, 2, 3])
-    assert [lfu.evict() for _ in range(3)] == [2, 3, 1]
-
-
-def test_slru_keeps_pages_that_were_hit():
-    slru = PREFIX_EVICTIONS.build("slru", protected_fraction=0.5)
-    slru.hit(1)
-    slru.park([1, 2])
-    slru.park([3, 4])
-    assert [slru.evict() for _ in range(4)] == [2, 4, 3, 1]
-    with pytest.raises(ValueError, match="protected_fraction must be in"):
-        PREFIX_EVICTIONS.build("slru", protected_fraction=2)
-
-
-def test_arc_grows_its_recent_list_after_a_recent_ghost_returns():
-    arc = PREFIX_EVICTIONS.build("arc")
-    for page, key in [(1, 101), (2, 102), (3, 103)]:
-        arc.register(page, key)
-    arc.hit(3)
-    arc.park([1, 2, 3])
-    assert arc.evict() == 2  # T1 (pages 1, 2; tail first) above its target 0
-    arc.forget(2)
-    arc.register(4, 102)  # block 102 comes back: T1 was too small
-    assert arc._p == 1.0
-    arc.park([4])
-    assert [arc.evict() for _ in range(3)] == [3, 4, 1]  # T1 holds 1 page = its target: T2 goes first
 
 
 def test_token_granularity_shares_a_cached_page_up_to_the_divergence_then_copies_it():

@@ -1,6 +1,6 @@
 """Multi-step speculative sampling over a token tree is lossless (SpecInfer, arXiv:2305.09781).
 
-The toy target and draft of tests/test_verifier.py (Markov chains on 6 tokens) and a fixed tree of
+The toy target and draft of tests/speculation/test_verifier.py (Markov chains on 6 tokens) and a fixed tree of
 6 drafted nodes (the root has 3 children, the first of them 2, the second 1), verified for 10^5
 rows at once. Siblings are either drawn i.i.d. from the draft (SpecInfer's setting) or distinct
 point masses (top-k branches of a deterministic draft). The first emitted token and the first two
@@ -15,7 +15,7 @@ import torch
 
 from kvlab.speculation.tree_verifier import ancestor_mask, tree_depths, tree_speculative_sample
 from kvlab.speculation.verifier import inverse_cdf, point_masses
-from test_verifier import CASES, V, chain, chi2_critical, chi_square
+from helpers import CASES, V, chain, chi2_critical, chi_square
 
 N, START = 100_000, 0
 PARENTS = [-1, 0, 1, 1, 0, 4, 0]  # preorder: root -> 1 (-> 2, 3), 4 (-> 5), 6

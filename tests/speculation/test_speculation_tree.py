@@ -4,7 +4,8 @@ to plain decoding, pages returned, the accepted path's K/V moved into place.
 Tiny random Llama (`random:llama-tiny`, 2 layers, vocab 256). Trees drafted by the target's own
 weights (every first child accepted), by other weights (nearly everything rejected), by the
 target's first layer (layerskip), and by an oracle that puts the right continuation on a side
-branch (so the accepted path must be moved into place, or the next tokens go wrong).
+branch (so the accepted path must be moved into place, or the next tokens go wrong). Preemption with
+`tree` and `layerskip`: kvlab.testing.check_draft (tests/api/test_conformance_plugins.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.speculation.drafts.base import DraftModel, Proposal
-from test_speculation import BYTES_PER_TOKEN, MODEL, plain, prompts
+
+from helpers import MODEL, plain, prompts
 
 SAME = ("tree", {"model": MODEL, "width": 2, "depth": 3})  # first children always accepted
 OTHER = ("tree", {"model": MODEL, "seed": 1, "width": 3, "depth": 2, "branch_levels": 2})  # nearly all rejected
@@ -108,15 +110,6 @@ def test_tree_stops_inside_an_accepted_run():
         assert got == [r[:max_tokens] for r in ref]
 
 
-@pytest.mark.parametrize("draft", [SELF, LAYERSKIP], ids=["tree-self", "layerskip"])
-def test_greedy_matches_plain_under_preemption(draft):
-    batch = prompts(8)
-    engine = {"block_size": 4, "kv_cache_memory": 64 * BYTES_PER_TOKEN, "max_num_batched_tokens": 32}
-    got, stats, _ = run(draft, batch, 14, engine, ignore_eos=True)
-    assert got == plain(batch, 14, ignore_eos=True)
-    assert stats["preemptions"] > 0 and stats["spec_drafted_tokens"] > 0
-
-
 @pytest.mark.parametrize("batch_size,block_size", [(1, 1), (8, 16), (8, 1)])
 def test_layerskip_greedy_matches_plain_decoding(batch_size, block_size):
     batch = prompts(batch_size)
@@ -154,8 +147,7 @@ def test_sampled_tree_outputs_follow_the_plain_distribution():
     """End to end: 2,000 seeded sampled requests (temperature 1, top-k 4), a tree drafted by the
     target's first layer: the 2nd and 3rd output tokens follow plain sampling's distribution
     (two-sample chi-square at 99.9%)."""
-    from test_speculation import two_sample_chi_square
-    from test_verifier import chi2_critical
+    from helpers import chi2_critical, two_sample_chi_square
 
     n, prompt = 2000, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
     engine = dict(block_size=16, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)

@@ -8,7 +8,7 @@ token, and one for an empty context). 10^5 rows run the drafts' own proposal cod
 over the shared vocabulary; `slrs.segment` and `slrs.token_proposal`) into `speculative_sample`;
 the first emitted token and the first two (spanning a second round when the first draft is
 rejected, the draft's context then re-translated from the target's tokens) are checked with a
-chi-square test against P[0] and P[0][x] * P[x][y], as in tests/test_verifier.py.
+chi-square test against P[0] and P[0][x] * P[x][y], as in tests/speculation/test_verifier.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvlab.speculation.drafts.slrs import segment, token_proposal
 from kvlab.speculation.drafts.tli import shared_index, to_target
 from kvlab.speculation.drafts.vocabulary import Bridge, toy
 from kvlab.speculation.verifier import inverse_cdf, speculative_sample
-from test_verifier import chi2_critical, chi_square
+from helpers import chi2_critical, chi_square
 
 TARGET = toy(["a", "b", "c", "ab", "bc", "ca", "abc"], num_special=1)  # ids 1..7, 0 special
 DRAFT = toy(["a", "b", "c", "ba", "bb", "cab"], num_special=1)  # ids 1..6, 0 special

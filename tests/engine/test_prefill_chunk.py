@@ -10,15 +10,9 @@ from __future__ import annotations
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.cache.block_manager import BlockManager, LayerGroup
-from kvlab.registry import ALLOCATORS
 from kvlab.engine.scheduler import Scheduler
-from test_scheduler import request, run_step
 
-
-def manager(num_blocks: int, max_chunk: int, kept_tokens=None, block_size: int = 4) -> BlockManager:
-    return BlockManager([LayerGroup((0,))], ALLOCATORS.build("paged"), num_blocks, block_size, 4096, max_chunk,
-                        kept_tokens=kept_tokens)
+from helpers import manager, request, run_step
 
 
 # -- torch-free: the scheduler and the block manager ------------------------------------
