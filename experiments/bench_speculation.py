@@ -16,6 +16,8 @@ Face assisted-generation anchor at batch 1 on the same prompts: plain `generate`
     python experiments/bench_speculation.py --model random:llama-tiny --max-tokens 16 --repeats 1 --out /tmp/spec
     python experiments/bench_speculation.py --drafts ngram:num_tokens=4 layerskip:layers=24,num_tokens=3 \
         tree:layers=24,width=2,depth=3 --hf --out experiments/results/speculation_selfspec_smollm2
+    python experiments/bench_speculation.py --policy snapkv:compression_ratio=0.5 --drafts ngram layerskip:layers=24 \
+        --out experiments/results/speculation_over_snapkv_smollm2     # speculation over a compressed cache
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     meta = metadata(args)
     loaded = load_model(args.model)
-    engine = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=512)
+    engine = dict(block_size=16, kv_cache_memory="512MiB", max_num_batched_tokens=512, **cache_args(args))
     plain = LLM(args.model, loaded=copy.deepcopy(loaded), **engine)
     drafts = [parse_draft(d, args.num_tokens) for d in args.drafts]
     specs = [LLM(args.model, loaded=copy.deepcopy(loaded), draft=name, draft_args=dargs, **engine)
@@ -123,6 +125,17 @@ def main(argv=None) -> dict:
     md, _ = write_report(args.out, text, {"meta": meta, "rows": rows})
     log(f"wrote {md}")
     return {"rows": rows}
+
+
+def cache_args(args) -> dict:
+    """The cache both plain decoding and every draft run over: --policy name:key=value,... and --quant."""
+    out = {}
+    if args.policy:
+        _, name, pargs = parse_draft(args.policy, args.num_tokens)
+        out.update(policy=name, policy_args=pargs)
+    if args.quant:
+        out["quant"] = args.quant
+    return out
 
 
 def parse_draft(spec: str, num_tokens: int) -> tuple[str, str, dict]:
@@ -207,6 +220,8 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
         f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
         f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' "
         f"jobs at the same time, so absolute figures are noisy; ratios come from the same run.", "",
+        f"Cache (plain decoding and every draft alike): policy {args.policy or 'full'}, format "
+        f"{args.quant or 'fp32'}. "
         f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, drafts as named (g = num_tokens for "
         f"a chain, the depth for a tree), block size 16, {args.threads} torch threads; "
         + "; ".join(f"batch {b} = {args.batch1 if b == 1 else b} prompts {'one at a time' if b == 1 else 'together'}"
@@ -234,6 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default=None, help="a compressing policy both runs use, name:key=value,... "
+                                                  "(e.g. snapkv:compression_ratio=0.5): speculation over a compressed cache")
+    p.add_argument("--quant", default=None, help="the cache format both runs use (e.g. int4)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "speculation_smollm2"))
     return p.parse_args(argv)

@@ -266,7 +266,7 @@ class BlockManager:
             need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
         if self.rows is not None:
             need += pending * self.rows.pages_per_row
-        return need <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
+        return need <= a.num_admissible_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Tables for `seq`: the pages of its prefix `hit` (from `lookup`; none when not given), whose
@@ -314,7 +314,7 @@ class BlockManager:
             return True
         pages = sum(a.blocks_to_append(key, n) for key, n in requests)
         rows = (self._claimed_rows + self._new_rows(seq, num_new_tokens)) * self.rows.pages_per_row
-        return pages + rows <= a.num_free_blocks - (a.num_blocks - a.usable_blocks)
+        return pages + rows <= a.num_admissible_blocks
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         if self.rows is not None:

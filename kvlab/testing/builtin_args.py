@@ -26,3 +26,7 @@ DRAFT_ARGS = {  # the drafts that run on a tiny model (the cross-vocabulary ones
     "layerskip": {"layers": 1, "num_tokens": 3},
     "tree": {"layers": 1, "width": 2, "depth": 2},
 }
+
+SPARSE_ARGS = {  # policies that read selected pages at decode without compacting
+    "quest": {"budget": 32},
+}

@@ -301,10 +301,10 @@ def test_unknown_draft_and_parameter_are_named():
         LLM("does-not-exist", draft="ngram", draft_args={"k": 4})
 
 
-def test_draft_with_a_compressing_policy_fails_before_the_model():
-    with pytest.raises(ValueError, match=r"draft 'ngram' with policy 'streaming_llm': speculative decoding does "
-                                         r"not run with a compressing policy yet"):
-        LLM("does-not-exist", draft="ngram", policy="streaming_llm", policy_args={"budget": 64})
+def test_draft_with_a_policy_compressing_during_decode_fails_before_the_model():
+    with pytest.raises(ValueError, match=r"draft 'ngram' with policy 'streaming_llm' compressing during decode "
+                                         r"\(when='decode'\): a verify step can cross a compression point"):
+        LLM("does-not-exist", draft="ngram", policy="streaming_llm", policy_args={"budget": 64, "when": "decode"})
 
 
 def test_model_draft_needs_the_targets_vocabulary():

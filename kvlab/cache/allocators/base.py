@@ -100,6 +100,12 @@ class Allocator(ABC):
     def num_free_blocks(self) -> int:
         """Blocks not owned by any sequence."""
 
+    @property
+    def num_admissible_blocks(self) -> int:
+        """Free blocks a new claim may take: the free ones less those the watermark keeps back (the one
+        count admission and growth checks read)."""
+        return self.num_free_blocks - (self.num_blocks - self.usable_blocks)
+
     def reservation(self, num_tokens: int, max_tokens: int) -> int:
         """Slots a new sequence takes at admission (on-demand allocators: just `num_tokens`)."""
         return num_tokens
@@ -112,7 +118,7 @@ class Allocator(ABC):
         """Could new tables for every (num_tokens, max_tokens) in `requests` be allocated together now?
         (Default: on-demand allocators without fragmentation, like paging.)"""
         need = sum(self.blocks_for(self.reservation(n, m)) for n, m in requests)
-        return need <= self.num_free_blocks - (self.num_blocks - self.usable_blocks)
+        return need <= self.num_admissible_blocks
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> float:
         """Free blocks that `append_slots(seq_id, num_new_tokens)` would take (inf if it cannot grow)."""

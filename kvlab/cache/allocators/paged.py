@@ -99,7 +99,7 @@ class PagedAllocator(Allocator):
         return self.num_blocks - int(self.watermark * self.num_blocks)
 
     def can_allocate(self, num_tokens: int, max_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.num_free_blocks - (self.num_blocks - self.usable_blocks)
+        return self.blocks_for(num_tokens) <= self.num_admissible_blocks
 
     def allocate(self, seq_id: int, num_tokens: int, max_tokens: int) -> None:
         if seq_id in self.tables:

@@ -1,0 +1,134 @@
+"""Which built-in plugins meet: every pair across kinds (draft, policy, cache format, prefix index,
+parallel samples, allocator) run through `kvlab.testing.check_combination` on the tiny random Llama.
+
+Each cell is one of
+    exact     every check ran and held (greedy output with a draft = the same cache without it, prefix hits and
+              a schedule that preempts change nothing, nothing left behind)
+    deviates  it runs under a deviation the capability table declares (the checks it excuses left out)
+    refused   the capability table refuses it before the model loads (the reason in the list below)
+    FAIL      a check failed: a bug, listed with its message
+
+    python experiments/composition_matrix.py --out experiments/results/composition_matrix   # ~10 min, 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+KINDS = ("draft", "policy", "quant", "prefix", "samples", "allocator")
+MARK = {"exact": "✔", "deviates": "≈", "refused": "✘", "FAIL": "FAIL"}
+
+
+def options() -> dict[str, dict[str, dict]]:
+    """kind -> option name -> the engine arguments it adds (plus `n` for samples)."""
+    from kvlab.registry import ALLOCATORS, QUANT_FORMATS, load_plugins
+    from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, SPARSE_ARGS
+
+    load_plugins()
+    return {
+        "draft": {d: {"draft": d, "draft_args": a} for d, a in DRAFT_ARGS.items()},
+        "policy": {p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
+        "quant": {q: {"quant": q} for q in QUANT_FORMATS.names() if q not in ("fp32", "auto")},
+        "prefix": {i: {"enable_prefix_caching": True, "prefix_cache": i} for i in ("hash", "radix")},
+        "samples": {"n=2": {"n": 2}},
+        "allocator": {a: {"allocator": a} for a in ALLOCATORS.names() if a != "paged"},
+    }
+
+
+def cell(args: dict) -> tuple[str, str]:
+    """(verdict, detail) of one configuration."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from kvlab.testing import check_combination
+
+    torch.set_num_threads(1)
+    try:
+        got = check_combination(**args)
+    except AssertionError as exc:
+        return "FAIL", str(exc).splitlines()[0][:300]
+    except Exception as exc:  # noqa: BLE001 - an error inside a run is a failed cell, reported, not a crash
+        return "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    if got.startswith("refused: "):
+        return "refused", got[len("refused: "):]
+    if got.startswith("runs outside the contract: "):
+        return "deviates", got[len("runs outside the contract: "):]
+    return got, ""
+
+
+def pairs(opts: dict) -> list[tuple[str, str, str, str, dict]]:
+    out = []
+    for ka, kb in itertools.combinations(KINDS, 2):
+        for a, b in itertools.product(opts[ka], opts[kb]):
+            args = {**opts[ka][a], **opts[kb][b]}
+            out.append((ka, a, kb, b, args))
+    return out
+
+
+def markdown(rows: list[dict], command: str, seconds: float) -> str:
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in MARK}
+    lines = [f"# Composition matrix: every pair of built-in plugins across kinds (tiny random Llama)\n",
+             f"Command: `{command}` ({len(rows)} pairs, {seconds / 60:.1f} min on 2 CPU cores).\n",
+             "Each pair runs `kvlab.testing.check_combination` (experiments/composition_matrix.py). "
+             "✔ exact: greedy output with a draft equals the same cache without it, prefix hits and a schedule "
+             "that preempts change nothing, nothing left behind. ≈ runs under a deviation the capability table "
+             "declares (`kvlab/engine/capabilities.py: DEVIATIONS`; its excused checks left out). ✘ refused "
+             "before the model loads (`REFUSED`). FAIL: a check failed.\n",
+             "Totals: " + ", ".join(f"{MARK[v]} {v} {counts[v]}" for v in MARK) + ".\n"]
+    by_kinds: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by_kinds.setdefault((r["kind_a"], r["kind_b"]), []).append(r)
+    for (ka, kb), group in by_kinds.items():
+        cols = list(dict.fromkeys(r["b"] for r in group))
+        lines.append(f"\n## {ka} x {kb}\n")
+        lines.append(f"| {ka} \\ {kb} | " + " | ".join(cols) + " |")
+        lines.append("|---" * (len(cols) + 1) + "|")
+        for a in dict.fromkeys(r["a"] for r in group):
+            marks = {r["b"]: MARK[r["verdict"]] for r in group if r["a"] == a}
+            lines.append(f"| {a} | " + " | ".join(marks.get(c, "") for c in cols) + " |")
+    reasons = sorted({(r["verdict"], r["detail"].split(":")[0] if r["verdict"] == "deviates" else r["detail"])
+                      for r in rows if r["verdict"] != "exact"})
+    lines.append("\n## Why (each distinct reason once)\n")
+    for verdict, detail in reasons:
+        lines.append(f"- {MARK[verdict]} {detail}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="experiments/results/composition_matrix", help="writes <out>.md and <out>.json")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--only", default=None, help="kinds to pair, comma-separated (default: all)")
+    args = p.parse_args(argv)
+    opts = options()
+    todo = pairs(opts)
+    if args.only:
+        kinds = set(args.only.split(","))
+        todo = [t for t in todo if {t[0], t[2]} <= kinds]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(args.workers) as pool:
+        verdicts = list(pool.map(cell, [t[4] for t in todo]))
+    seconds = time.perf_counter() - t0
+    rows = [{"kind_a": ka, "a": a, "kind_b": kb, "b": b, "verdict": v, "detail": d}
+            for (ka, a, kb, b, _), (v, d) in zip(todo, verdicts)]
+    command = "python experiments/composition_matrix.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "seconds": seconds, "rows": rows}, indent=1))
+    text = markdown(rows, command.strip(), seconds)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    failed = [r for r in rows if r["verdict"] == "FAIL"]
+    for r in failed:
+        print(f"FAIL {r['kind_a']}={r['a']} x {r['kind_b']}={r['b']}: {r['detail']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
