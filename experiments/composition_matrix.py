@@ -81,7 +81,8 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
              "that preempts change nothing, nothing left behind. ≈ runs under a deviation the capability table "
              "declares (`kvlab/engine/capabilities.py: DEVIATIONS`; its excused checks left out). ✘ refused "
              "before the model loads (`REFUSED`). FAIL: a check failed.\n",
-             "Totals: " + ", ".join(f"{MARK[v]} {v} {counts[v]}" for v in MARK) + ".\n"]
+             "Totals: " + ", ".join(f"{MARK[v]} {v} {counts[v]}" if MARK[v] != v else f"{v} {counts[v]}"
+                                    for v in MARK) + ".\n"]
     by_kinds: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         by_kinds.setdefault((r["kind_a"], r["kind_b"]), []).append(r)

@@ -335,6 +335,10 @@ class BlockManager:
         if self.on_free is not None:
             self.on_free()
 
+    def can_fork(self, parent: Sequence) -> bool:
+        """Could `fork(parent, child)` give a child its tables now (an allocator that copies, not shares)?"""
+        return self.allocator.can_fork_many(self._keys(parent))
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every page of `parent` (copy-on-write on the first write into a shared page)."""
         for g in range(len(self.groups)):

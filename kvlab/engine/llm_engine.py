@@ -361,6 +361,9 @@ class LLMEngine:
             for i, seq in enumerate([parent, *children]):
                 self._samples[seq.seq_id] = (parent.seq_id, i)
             for child in children:
+                if not self.block_manager.can_fork(parent):  # an allocator that copies, and no room now
+                    self.scheduler.defer(child)
+                    continue
                 if self.compressor:
                     self.compressor.fork(parent, child)
                 self.block_manager.fork(parent, child)

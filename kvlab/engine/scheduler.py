@@ -129,6 +129,13 @@ class Scheduler:
                 return False
         return True
 
+    def defer(self, seq: Sequence) -> None:
+        """A sample whose tables could not be forked now: it waits first in line and computes its tokens
+        itself, as a preempted sequence is recomputed (the same tokens, so the same cache)."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
     def admit_forked(self, seq: Sequence, num_computed_tokens: int) -> None:
         """A sequence forked from a running one (its pages already shared by the block manager)."""
         seq.num_computed_tokens = num_computed_tokens
@@ -166,8 +173,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+        if seq.status is SequenceStatus.WAITING:  # a deferred sample that stopped at its first token
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.draft_token_ids, seq.draft_parents = [], []

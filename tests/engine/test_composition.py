@@ -108,3 +108,9 @@ def test_every_registered_draft_is_in_the_combination_tests_or_said_why():
     load_plugins()
     cross_vocabulary = {"slem", "tli", "slrs"}  # they need two real tokenizers: tests/speculation/test_cross_vocab.py
     assert set(DRAFTS.names()) == set(DRAFT_ARGS) | cross_vocabulary
+
+
+def test_parallel_samples_wait_when_a_reserving_allocator_cannot_fork_them():
+    """The contiguous allocator copies a parent's whole reservation for each sample: in a small pool a fork
+    that does not fit defers the sample (it computes its tokens itself) instead of failing the step."""
+    assert check_combination(n=2, allocator="contiguous") == "exact"

@@ -106,6 +106,10 @@ class Allocator(ABC):
         count admission and growth checks read)."""
         return self.num_free_blocks - (self.num_blocks - self.usable_blocks)
 
+    def can_fork_many(self, seq_ids: list[int]) -> bool:
+        """Could `fork` give a child of each of `seq_ids` its table now? (Default: forks share pages.)"""
+        return True
+
     def reservation(self, num_tokens: int, max_tokens: int) -> int:
         """Slots a new sequence takes at admission (on-demand allocators: just `num_tokens`)."""
         return num_tokens

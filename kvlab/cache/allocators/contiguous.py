@@ -109,6 +109,18 @@ class ContiguousAllocator(Allocator):
         self._give_back(table[0], len(table))
         del self.lengths[seq_id], self.reserved[seq_id]
 
+    def can_fork_many(self, seq_ids: list[int]) -> bool:
+        """A child copies its parent's whole reservation: is there a run for each, taken first-fit in turn?"""
+        runs = list(self.runs)
+        for seq_id in seq_ids:
+            n = self.reserved[seq_id]
+            i = next((i for i, (_, length) in enumerate(runs) if length >= n), None)
+            if i is None:
+                return False
+            start, length = runs[i]
+            runs[i] = (start + n, length - n)
+        return True
+
     def fork(self, parent_id: int, child_id: int) -> None:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has blocks")
