@@ -4,7 +4,8 @@ parallel samples, allocator) run through `kvlab.testing.check_combination` on th
 Each cell is one of
     exact     every check ran and held (greedy output with a draft = the same cache without it, prefix hits and
               a schedule that preempts change nothing, nothing left behind)
-    deviates  it runs under a deviation the capability table declares (the checks it excuses left out)
+    held      it runs under a deviation the capability table declares, and every check held anyway
+    differed  it runs under a declared deviation, and a check that deviation excuses failed (named)
     refused   the capability table refuses it before the model loads (the reason in the list below)
     FAIL      a check failed: a bug, listed with its message
 
@@ -17,13 +18,14 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 KINDS = ("draft", "policy", "quant", "prefix", "samples", "allocator")
-MARK = {"exact": "✔", "deviates": "≈", "refused": "✘", "FAIL": "FAIL"}
+MARK = {"exact": "✔", "held": "≈", "differed": "≠", "refused": "✘", "FAIL": "FAIL"}
 
 
 def options() -> dict[str, dict[str, dict]]:
@@ -59,7 +61,8 @@ def cell(args: dict) -> tuple[str, str]:
     if got.startswith("refused: "):
         return "refused", got[len("refused: "):]
     if got.startswith("runs outside the contract: "):
-        return "deviates", got[len("runs outside the contract: "):]
+        detail = got[len("runs outside the contract: "):]
+        return ("held" if detail.endswith("; held") else "differed"), detail
     return got, ""
 
 
@@ -79,7 +82,8 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
              "Each pair runs `kvlab.testing.check_combination` (experiments/composition_matrix.py). "
              "✔ exact: greedy output with a draft equals the same cache without it, prefix hits and a schedule "
              "that preempts change nothing, nothing left behind. ≈ runs under a deviation the capability table "
-             "declares (`kvlab/engine/capabilities.py: DEVIATIONS`; its excused checks left out). ✘ refused "
+             "declares (`kvlab/engine/capabilities.py: DEVIATIONS`) and every check held anyway on these prompts; "
+             "≠ the same, and a check the deviation excuses failed (which, below). ✘ refused "
              "before the model loads (`REFUSED`). FAIL: a check failed.\n",
              "Totals: " + ", ".join(f"{MARK[v]} {v} {counts[v]}" if MARK[v] != v else f"{v} {counts[v]}"
                                     for v in MARK) + ".\n"]
@@ -94,11 +98,14 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
         for a in dict.fromkeys(r["a"] for r in group):
             marks = {r["b"]: MARK[r["verdict"]] for r in group if r["a"] == a}
             lines.append(f"| {a} | " + " | ".join(marks.get(c, "") for c in cols) + " |")
-    reasons = sorted({(r["verdict"], r["detail"].split(":")[0] if r["verdict"] == "deviates" else r["detail"])
-                      for r in rows if r["verdict"] != "exact"})
-    lines.append("\n## Why (each distinct reason once)\n")
-    for verdict, detail in reasons:
-        lines.append(f"- {MARK[verdict]} {detail}")
+    reasons: dict[tuple[str, str], int] = {}
+    for r in rows:
+        if r["verdict"] != "exact":  # plugin names quoted in a message left out: one line per reason
+            key = (r["verdict"], re.sub(r"'[^'\s]*'", "'…'", r["detail"]))
+            reasons[key] = reasons.get(key, 0) + 1
+    lines.append("\n## Why (each distinct reason once, with how many pairs)\n")
+    for (verdict, detail), count in sorted(reasons.items()):
+        lines.append(f"- {MARK[verdict]} ({count}) {detail}")
     return "\n".join(lines) + "\n"
 
 

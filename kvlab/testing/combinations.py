@@ -8,8 +8,9 @@
 
 A configuration (engine arguments: policy, quant, draft, prefix caching, allocator, ...) either is refused
 by the capability table (kvlab.engine.capabilities) before the model loads, and `check_combination` returns
-"refused: <the error>", or it runs and holds (less what a deviation the table declares excuses: then it
-returns "runs outside the contract: ..."), each check raising AssertionError naming what failed:
+"refused: <the error>", or it runs and holds, each check raising AssertionError naming what failed (a
+check a declared deviation excuses is reported instead: "runs outside the contract: ...; held" or
+"...; differed: <what>"):
 - exact with a draft: greedy output equals the same configuration without the draft, for prompts that
   share a prefix and prompts that do not, with `n` samples each;
 - prefix hits change nothing: a second pass over the same prompts (every shared prefix now cached) gives the
@@ -54,17 +55,26 @@ def shared_prompts(vocab: int, seed: int = 0) -> tuple[list[list[int]], int]:
 
 
 def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | None = None, n: int = 1,
-                      max_tokens: int = 12, pool: str = "4MiB", small_pools: tuple[str, ...] = ("24KiB", "32KiB", "40KiB", "48KiB", "64KiB", "96KiB"),
+                      max_tokens: int = 12, pool: str = "4MiB",
+                      small_pools: tuple[str, ...] = ("24KiB", "32KiB", "40KiB", "48KiB", "64KiB", "96KiB"),
                       **engine_args) -> str:
     """Run the combination checks for the engine arguments `engine_args` (with `n` samples a prompt) ->
-    "exact", "runs outside the contract: <declared deviations>" (their checks left out) or "refused: <error>".
-    `pool`: the ample KV budget of every run but the preemption check's, which runs in the first of
-    `small_pools` that holds the largest request and preempts."""
+    "exact", "refused: <error>", or for a combination under a declared deviation "runs outside the contract:
+    <deviations>; held" (every check held anyway on these prompts) or "...; differed: <what>" (a check the
+    deviation excuses failed). `pool`: the ample KV budget of every run but the schedule check's, which runs
+    in the first of `small_pools` that holds the largest request and constrains the run."""
     why, deviating = verdict(model, **engine_args)
     if why is not None:
         return f"refused: {why}"
     name = ", ".join(f"{k}={v!r}" for k, v in engine_args.items()) or "the defaults"
     excused = {e for d in deviating for e in d.excuses}  # what the table says may change the output
+    differed: list[str] = []
+
+    def expect(kind: str, ok: bool, message: str) -> None:
+        if not ok and kind in excused:
+            differed.append(kind)
+        elif not ok:
+            raise AssertionError(f"{name}: {message}")
 
     def make(**kw) -> LLM:
         gc.collect()  # the engines of earlier checks: their pools go before a new one is allocated
@@ -79,27 +89,30 @@ def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | No
     batch, num_shared = shared_prompts(llm.model_config.vocab_size)
     first = tokens(llm, batch)
     second = tokens(llm, batch)  # every shared prefix is cached now (with prefix caching)
-    if "prefix hits" not in excused:
-        assert second == first, f"{name}: a second pass over the same prompts (prefix hits) differs"
+    expect("prefix hits", second == first, "a second pass over the same prompts (prefix hits) differs")
     _check_nothing_left(llm, name)
-    if engine_args.get("draft") is not None and "draft" not in excused:
+    if engine_args.get("draft") is not None:
         plain = make(draft=None, draft_args={})
-        assert tokens(plain, batch) == first, f"{name}: greedy output differs from the same cache without the draft"
-        assert tokens(plain, batch) == second, f"{name}: greedy output after prefix hits differs from the same " \
-                                               f"cache without the draft"
+        expect("draft", tokens(plain, batch) == first, "greedy output differs from the same cache without the draft")
+        expect("prefix hits" if "prefix hits" in excused else "draft", tokens(plain, batch) == second,
+               "greedy output after prefix hits differs from the same cache without the draft")
     if engine_args.get("enable_prefix_caching"):
         off, on = make(enable_prefix_caching=False), make()
         fresh = batch[num_shared:]  # prompts that share no page with each other: a hit on nothing
-        assert tokens(on, fresh) == tokens(off, fresh), f"{name}: a prompt that hits nothing differs from " \
-                                                        f"prefix caching off"
-    if "schedule" not in excused:
-        _check_schedule_independence(make, batch, n, small_pools, name)
-    return f"runs outside the contract: {'; '.join(d.name for d in deviating)}" if deviating else "exact"
+        expect("schedule", tokens(on, fresh) == tokens(off, fresh), "a prompt that hits nothing differs from "
+                                                                  "prefix caching off")
+    mismatch = _check_schedule_independence(make, batch, n, small_pools, name)
+    expect("schedule", mismatch is None, mismatch or "")
+    if not deviating:
+        return "exact"
+    found = "held" if not differed else "differed: " + ", ".join(dict.fromkeys(differed))
+    return f"runs outside the contract: {'; '.join(d.name for d in deviating)}; {found}"
 
 
-def _check_schedule_independence(make, batch, n: int, small_pools, name: str) -> None:
+def _check_schedule_independence(make, batch, n: int, small_pools, name: str) -> str | None:
     """The same tokens in an ample pool and in a pool small enough to preempt with a 32-token step budget
-    (prefill chunked, drafts cut): ten requests at once, 40 new tokens each, so decoding outgrows the pool."""
+    (prefill chunked, drafts cut): ten requests at once, 40 new tokens each, so decoding outgrows the pool.
+    None, or what differed."""
     params = SamplingParams(max_tokens=40, ignore_eos=True, n=n)
     batch = batch * 2
 
@@ -118,8 +131,7 @@ def _check_schedule_independence(make, batch, n: int, small_pools, name: str) ->
         stats = small.stats()  # the pool must have constrained it: preempted, or (a reserving allocator) run fewer
         if stats["preemptions"] == 0 and stats["max_concurrent_seqs"] >= len(batch) * n:
             continue
-        assert got == want, f"{name}: output differs under preemption and a 32-token step budget (pool {pool})"
         _check_nothing_left(small, name)
-        return
+        return None if got == want else f"output differs under preemption and a 32-token step budget (pool {pool})"
     raise AssertionError(f"{name}: no pool of {small_pools} both held the largest request and constrained the run "
                          f"(preempted, or ran fewer at once), so the check did not run: pass small_pools for this model")
