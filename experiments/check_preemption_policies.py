@@ -27,23 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.testing.builtin_args import RATIO_ARGS
+
 REPO = Path(__file__).resolve().parent.parent
 # policy -> arguments at ratio 0.5 (rocketkv's budget is tokens read per decode step: no ratio)
-ARGS = {
-    "random": {"compression_ratio": 0.5},
-    "streaming_llm": {"compression_ratio": 0.5},
-    "knorm": {"compression_ratio": 0.5},
-    "keydiff": {"compression_ratio": 0.5},
-    "snapkv": {"compression_ratio": 0.5, "window_size": 8},
-    "tova": {"compression_ratio": 0.5},
-    "pyramidkv": {"compression_ratio": 0.5, "window_size": 8},
-    "chunkkv": {"compression_ratio": 0.5, "window_size": 8, "chunk_size": 5},
-    "h2o": {"compression_ratio": 0.5, "recent": 8},
-    "expected_attention": {"compression_ratio": 0.5, "n_future_positions": 64},
-    "adakv": {"compression_ratio": 0.5, "scorer_args": {"window_size": 8}},
-    "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5},
-    "quest": {"budget": 32, "dense_layers": 0},  # evicts nothing, reads selected pages at decode (as rocketkv)
-}
+ARGS = {**RATIO_ARGS,  # and quest: evicts nothing, reads selected pages at decode (as rocketkv)
+        "quest": {"budget": 32, "dense_layers": 0}}
 PREFILL_ONLY = ("adakv", "rocketkv", "quest")  # compress once, at the end of prefill (quest: never)
 DECODE = {"when": "decode", "every": 4}
 

@@ -89,7 +89,6 @@ class BlockManager:
         allocator.setup(num_blocks, block_size, max_model_len)
         self.full_groups = [g for g, group in enumerate(groups) if group.sliding_window is None]
         self.num_cow_copies = 0
-        self.prefix_cache = prefix_cache
         if prefix_match not in ("page", "token"):
             raise ValueError(f"prefix_match must be 'page' or 'token', got {prefix_match!r}")
         self.prefix_match = prefix_match
@@ -98,7 +97,7 @@ class BlockManager:
                 raise ValueError(f"prefix caching needs an allocator that shares cached pages (paged); "
                                  f"{getattr(type(allocator), 'registry_name', type(allocator).__name__)} "
                                  f"does not support it yet")
-            allocator.prefix_cache = prefix_cache
+        allocator.prefix_cache = prefix_cache  # its one owner: the pool parks, evicts and hands out its pages
         # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
         self.recompute_tail = 0
         # a quantised format with a residual window: (page, no sequence holds it) -> whether a hit may
@@ -118,6 +117,13 @@ class BlockManager:
         """The allocator's id of one (sequence, group) table."""
         seq_id = seq if isinstance(seq, int) else seq.seq_id
         return seq_id * len(self.groups) + group
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix index, owned by the allocator (which parks a registered page its last table lets go,
+        and evicts parked pages when out of free ones); the block manager looks hits up and registers
+        pages through it."""
+        return self.allocator.prefix_cache
 
     def _keys(self, seq: Sequence) -> list[int]:
         return [self.key(seq, g) for g in range(len(self.groups))]

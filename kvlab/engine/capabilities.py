@@ -178,7 +178,9 @@ def check(caps: Capabilities, when: str = "build") -> None:
     """Raise the first refused combination of `when` that `caps` has."""
     for r in REFUSED:
         if r.when == when and r.applies(caps):
-            raise r.kind(r.message(caps))
+            error = r.kind(r.message(caps))
+            error.refusal = r.name  # which row: the combination suite tells a refusal from a bad argument
+            raise error
 
 
 def refusal(caps: Capabilities, name: str) -> str | None:

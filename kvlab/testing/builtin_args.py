@@ -30,3 +30,18 @@ DRAFT_ARGS = {  # the drafts that run on a tiny model (the cross-vocabulary ones
 SPARSE_ARGS = {  # policies that read selected pages at decode without compacting
     "quest": {"budget": 32},
 }
+
+RATIO_ARGS = {  # every compressing policy at kvpress's ratio 0.5 (rocketkv: a budget, tokens read per decode step)
+    "random": {"compression_ratio": 0.5},
+    "streaming_llm": {"compression_ratio": 0.5},
+    "knorm": {"compression_ratio": 0.5},
+    "keydiff": {"compression_ratio": 0.5},
+    "snapkv": {"compression_ratio": 0.5, "window_size": 8},
+    "tova": {"compression_ratio": 0.5},
+    "pyramidkv": {"compression_ratio": 0.5, "window_size": 8},
+    "chunkkv": {"compression_ratio": 0.5, "window_size": 8, "chunk_size": 5},
+    "h2o": {"compression_ratio": 0.5, "recent": 8},
+    "expected_attention": {"compression_ratio": 0.5, "n_future_positions": 64},
+    "adakv": {"compression_ratio": 0.5, "scorer_args": {"window_size": 8}},
+    "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5},
+}

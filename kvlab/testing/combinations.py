@@ -38,10 +38,12 @@ from kvlab.testing.drafts import _check_nothing_left
 
 def verdict(model: str = "random:llama-tiny", **engine_args) -> tuple[str | None, list[Deviation]]:
     """(the capability table's error for this configuration or None, the declared deviations it runs
-    under), without loading a model."""
+    under), without loading a model. Any other error (a bad argument) propagates."""
     try:
         *_, caps = resolve(EngineConfig(model=model, **engine_args))
     except (ValueError, NotImplementedError) as exc:
+        if getattr(exc, "refusal", None) is None:
+            raise
         return str(exc), []
     return None, deviations(caps)
 
@@ -134,4 +136,5 @@ def _check_schedule_independence(make, batch, n: int, small_pools, name: str) ->
         _check_nothing_left(small, name)
         return None if got == want else f"output differs under preemption and a 32-token step budget (pool {pool})"
     raise AssertionError(f"{name}: no pool of {small_pools} both held the largest request and constrained the run "
-                         f"(preempted, or ran fewer at once), so the check did not run: pass small_pools for this model")
+                         f"(preempted, or ran fewer at once), so the check did not run: pass small_pools for "
+                         f"this model")

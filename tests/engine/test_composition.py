@@ -115,3 +115,8 @@ def test_parallel_samples_wait_when_a_reserving_allocator_cannot_fork_them():
     """The contiguous allocator copies a parent's whole reservation for each sample: in a small pool a fork
     that does not fit defers the sample (it computes its tokens itself) instead of failing the step."""
     assert check_combination(n=2, allocator="contiguous") == "exact"
+
+
+def test_a_bad_argument_is_an_error_not_a_refusal():
+    with pytest.raises(ValueError, match="budget"):
+        check_combination(draft="ngram", policy="snapkv", policy_args={"budget": -3})

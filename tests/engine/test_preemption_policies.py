@@ -18,6 +18,7 @@ import torch
 from kvlab import LLM, SamplingParams
 from kvlab.registry import POLICIES
 from kvlab.engine.scheduler import Scheduler
+from kvlab.testing.builtin_args import RATIO_ARGS
 
 from helpers import manager, request, run_step
 
@@ -71,20 +72,7 @@ def test_the_compressor_names_the_points_in_token_time():
 
 
 # -- the engine: a tiny pool against a big one ------------------------------------------------
-ARGS = {  # every compressing built-in at ratio 0.5 (rocketkv: a budget, read per decode step)
-    "random": {"compression_ratio": 0.5},
-    "streaming_llm": {"compression_ratio": 0.5},
-    "knorm": {"compression_ratio": 0.5},
-    "keydiff": {"compression_ratio": 0.5},
-    "snapkv": {"compression_ratio": 0.5, "window_size": 8},
-    "tova": {"compression_ratio": 0.5},
-    "pyramidkv": {"compression_ratio": 0.5, "window_size": 8},
-    "chunkkv": {"compression_ratio": 0.5, "window_size": 8, "chunk_size": 5},
-    "h2o": {"compression_ratio": 0.5, "recent": 8},
-    "expected_attention": {"compression_ratio": 0.5, "n_future_positions": 64},
-    "adakv": {"compression_ratio": 0.5, "scorer_args": {"window_size": 8}},
-    "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5},
-}
+ARGS = RATIO_ARGS  # every compressing built-in at ratio 0.5 (rocketkv: a budget, read per decode step)
 PREFILL_ONLY = {"adakv", "rocketkv"}  # they compress once, at the end of prefill
 DECODE = {"when": "decode", "every": 4}
 CONFIGS = {name: args for name, args in ARGS.items()}

@@ -13,21 +13,10 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.registry import POLICIES
+from kvlab.testing.builtin_args import RATIO_ARGS
 
-ARGS = {  # every compressing built-in -> arguments that compress 64-token prompts (and change the output)
-    "random": {"compression_ratio": 0.5},
-    "streaming_llm": {"compression_ratio": 0.75},
-    "knorm": {"compression_ratio": 0.5},
-    "keydiff": {"compression_ratio": 0.5},
-    "snapkv": {"compression_ratio": 0.5, "window_size": 8},
-    "tova": {"compression_ratio": 0.5},
-    "pyramidkv": {"compression_ratio": 0.5, "window_size": 8},
-    "chunkkv": {"compression_ratio": 0.5, "window_size": 8, "chunk_size": 5},
-    "h2o": {"compression_ratio": 0.5, "recent": 8},
-    "expected_attention": {"compression_ratio": 0.5, "n_future_positions": 64},
-    "adakv": {"compression_ratio": 0.5, "scorer_args": {"window_size": 8}},
-    "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5},
-}
+ARGS = {**RATIO_ARGS, "streaming_llm": {"compression_ratio": 0.75}}  # every compressing built-in -> arguments
+# that compress 64-token prompts (and change the output)
 DECODE = {  # compressed again while decoding: the samples' own compressions read the state they were forked with
     "snapkv-decode": ("snapkv", {"budget": 16, "window_size": 8, "when": "decode", "every": 3}),
     "h2o-decode": ("h2o", {"budget": 16, "recent": 4, "when": "decode", "every": 3}),

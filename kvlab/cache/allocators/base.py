@@ -40,6 +40,9 @@ class Allocator(ABC):
 
     num_blocks: int = field(default=0, init=False, repr=False)
     block_size: int = field(default=0, init=False, repr=False)
+    # the prefix index (kvlab.cache.prefix_cache / radix_cache) of an allocator that shares cached pages
+    # (`allocate_cached`): the pool owns it and the pages it parks; None without prefix caching
+    prefix_cache = None
 
     def setup(self, num_blocks: int, block_size: int, max_model_len: int | None = None) -> None:
         """Size the pool; called once by the engine before any request."""

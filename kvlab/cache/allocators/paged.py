@@ -34,7 +34,7 @@ class PagedAllocator(Allocator):
     def _reset(self) -> None:
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.ref_counts = [0] * self.num_blocks
-        self.prefix_cache = None  # kvlab.cache.prefix_cache.PrefixCache, attached by the block manager
+        self.prefix_cache = None  # kvlab.cache.prefix_cache.PrefixCache: owned here (given at assembly)
 
     @property
     def num_free_blocks(self) -> int:
