@@ -38,7 +38,9 @@ def options() -> dict[str, dict[str, dict]]:
         "draft": {d: {"draft": d, "draft_args": a} for d, a in DRAFT_ARGS.items()},
         "policy": {p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
         "quant": {q: {"quant": q} for q in QUANT_FORMATS.names() if q not in ("fp32", "auto")},
-        "prefix": {i: {"enable_prefix_caching": True, "prefix_cache": i} for i in ("hash", "radix")},
+        "prefix": {**{i: {"enable_prefix_caching": True, "prefix_cache": i} for i in ("hash", "radix")},
+                   **{f"{i}, copied": {"enable_prefix_caching": True, "prefix_cache": i, "prefix_keep_shared": False}
+                      for i in ("hash", "radix")}},
         "samples": {"n=2": {"n": 2}},
         "allocator": {a: {"allocator": a} for a in ALLOCATORS.names() if a != "paged"},
     }

@@ -82,6 +82,11 @@ class EngineConfig:
     prefix_cache: Literal["hash", "radix"] = "hash"  # the index of cached pages: hashed blocks | radix tree (always token-granular)
     prefix_eviction: str = "lru"  # registered prefix-cache eviction policy (which cached-free page goes first)
     prefix_eviction_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
+    # with prefix caching and a compressing policy: True shares a hit's pages and keeps them whole when the request
+    # is compressed (their memory is not spent again; what a request keeps then depends on its hit, a declared
+    # deviation); False gives a request that hits its own copy of the hit's pages, compressed as without caching
+    # (exact: the hit saves the prefill, not the memory)
+    prefix_keep_shared: bool = True
 
     def __post_init__(self) -> None:
         for name in PLUGIN_ARGS:

@@ -100,6 +100,9 @@ class BlockManager:
         allocator.prefix_cache = prefix_cache  # its one owner: the pool parks, evicts and hands out its pages
         # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
         self.recompute_tail = 0
+        # a hit's pages shared and kept whole under compaction (protected_slots); False: copied at admission
+        # (the request compresses its own copy as without caching: EngineConfig.prefix_keep_shared)
+        self.keep_shared = True
         # a quantised format with a residual window: (page, no sequence holds it) -> whether a hit may
         # share the page (not while it is open in another sequence's window); None: every cached page
         self.shareable: Callable[[int, bool], bool] | None = None
@@ -269,6 +272,8 @@ class BlockManager:
             cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
             need += max(a.blocks_for(self._footprint(group, seq.num_tokens)) - len(cached), 0)
             need += sum(1 for p in cached if a.is_parked(p))  # taking a parked page back uses up a free one
+            if not self.keep_shared:  # every cached page is copied at admission: as many fresh pages
+                need += len(cached)
             need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
         if self.rows is not None:
             need += pending * self.rows.pages_per_row
@@ -302,6 +307,9 @@ class BlockManager:
             used += [p for p in pages if p != NULL_BLOCK]
             taken |= {(g, p) for p in pages if p != NULL_BLOCK}
             saved += sum(1 for p in pages[:hit // self.block_size] if p != NULL_BLOCK)  # a partial page is copied
+        if not self.keep_shared:  # the request's own copy of every hit page (its compaction writes in place)
+            for key in self._keys(seq):
+                self.allocator.privatize(key)
         for key in self._keys(seq):
             self.allocator.append_slots(key, num_tokens)
         self.prefix_cache.start(seq.seq_id, nodes[:hit // self.block_size], used)
@@ -385,8 +393,9 @@ class BlockManager:
         """Leading cache indices of `seq` in `group` that a compressing policy must keep in place: those
         in the leading pages it shares, held by another table too or taken from the prefix cache at
         admission (0 without prefix caching). Pages `seq` computed and registered itself, held by no one
-        else, are not protected: compacting them copies the survivors out, the originals stay cached."""
-        if self.prefix_cache is None:
+        else, are not protected: compacting them copies the survivors out, the originals stay cached.
+        Without `keep_shared` a hit's pages were copied at admission: nothing is protected."""
+        if self.prefix_cache is None or not self.keep_shared:
             return 0
         key = self.key(seq, group)
         table, n = self.allocator.block_table(key), self.allocator.num_tokens(key)

@@ -258,6 +258,7 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple
         cache.sparse_read = SparseRead(policy, cache, config.block_size, num_kv_heads, head_dim, dtype, config.device)
     if policy.compresses:  # a prefix hit leaves the policy's observation window to compute
         bm.recompute_tail = policy.query_window
+        bm.keep_shared = config.prefix_keep_shared
     if index is not None and cache.area is not None:
         # a residual window: a hit leaves the prompt's window to compute and shares no page that is
         # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")

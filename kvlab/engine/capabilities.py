@@ -42,6 +42,8 @@ class Capabilities:
     allocator_shares_cached: bool  # the allocator shares cached pages (allocate_cached)
     moves_kv_slots: bool  # the draft moves an accepted path's KV into place slot by slot (token trees)
     prefix_caching: bool
+    keeps_shared_pages: bool  # prefix caching shares a hit's pages, kept whole when the request is compacted
+    token_granular_prefix: bool  # a hit may end inside a cached page (radix, or prefix_match='token')
     backend: str  # the kernel backend this configuration runs: 'triton' or 'torch'
     samples: int = 1  # a request's SamplingParams.n (the request-time rows)
 
@@ -65,6 +67,9 @@ def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilit
         allocator_shares_cached=hasattr(allocator_cls, "allocate_cached"),
         moves_kv_slots=bool(getattr(draft, "moves_kv_slots", False)),
         prefix_caching=bool(config.enable_prefix_caching),
+        keeps_shared_pages=bool(config.enable_prefix_caching) and bool(config.prefix_keep_shared),
+        token_granular_prefix=bool(config.enable_prefix_caching) and (config.prefix_cache == "radix"
+                                                                     or config.prefix_match == "token"),
         backend=backend,
     )
 
@@ -111,9 +116,10 @@ REFUSED: list[Refusal] = [
                       f"reuses; use a policy without accumulated attention statistics"),
     Refusal("prefix caching with a policy whose select cannot protect shared pages",
             "shared pages must be kept as they are",
-            lambda c: c.prefix_caching and c.compacts and not c.protects_shared_pages,
+            lambda c: c.keeps_shared_pages and c.compacts and not c.protects_shared_pages,
             lambda c: f"enable_prefix_caching with policy {c.policy!r} is not supported yet: its select() takes no "
-                      f"`protected` argument (the leading cache indices in shared pages, which it must keep); see "
+                      f"`protected` argument (the leading cache indices in shared pages, which it must keep); set "
+                      f"prefix_keep_shared=False (a hit's pages copied, compressed as without caching), or see "
                       f"kvlab.policies.base.Policy.select"),
     Refusal("prefix caching with a non-paged allocator", "only the paged allocator shares cached pages",
             lambda c: c.prefix_caching and not c.allocator_shares_cached,
@@ -155,11 +161,16 @@ class Deviation:
 
 
 DEVIATIONS: list[Deviation] = [
-    Deviation("prefix caching with a compressing policy",
-              "a sequence keeps the pages its prefix hit shared whole (select's `protected`) and compresses the "
-              "rest, so what it keeps depends on what the cache held when it was admitted (a second pass, or a "
-              "preempted request readmitted onto its own cached pages, may keep more)",
-              lambda c: c.prefix_caching and c.compacts, ("prefix hits", "schedule")),
+    Deviation("prefix caching with a compressing policy keeping shared pages whole",
+              "with prefix_keep_shared (the default) a sequence keeps the pages its prefix hit shared whole "
+              "(select's `protected`) and compresses the rest, so what it keeps depends on what the cache held "
+              "when it was admitted (a second pass, or a preempted request readmitted onto its own cached pages, "
+              "may keep more); prefix_keep_shared=False copies a hit's pages and compresses as without caching",
+              lambda c: c.keeps_shared_pages and c.compacts, ("prefix hits", "schedule")),
+    Deviation("sparse reading with a hit that ends inside a page",
+              "a partly matching cached page is copied with its key summary, which still covers the tokens after "
+              "the match that the request then overwrites, so the pages a query selects can depend on the hit",
+              lambda c: c.sparse_read and c.token_granular_prefix, ("prefix hits", "schedule")),
     Deviation("a rounding format under a changing schedule",
               "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "
               "(codes, scales, a narrower dtype) can turn into a different stored value: outputs may change with "

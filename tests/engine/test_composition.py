@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.block_manager import BlockManager, LayerGroup
 from kvlab.sampling_params import SamplingParams
 from kvlab.sequence import Sequence
 from kvlab.testing import check_combination
@@ -120,3 +120,45 @@ def test_parallel_samples_wait_when_a_reserving_allocator_cannot_fork_them():
 def test_a_bad_argument_is_an_error_not_a_refusal():
     with pytest.raises(ValueError, match="budget"):
         check_combination(draft="ngram", policy="snapkv", policy_args={"budget": -3})
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICY_ARGS) - {"h2o"}))  # h2o with prefix caching: refused
+def test_prefix_caching_that_copies_a_hits_pages_compresses_every_policy_exactly(policy):
+    """prefix_keep_shared=False: a hit's pages are copied at admission and compressed as without caching, so
+    prefix hits, preemption and batching change nothing (the default keeps shared pages whole: a deviation)."""
+    args = combo(policy=policy, enable_prefix_caching=True, prefix_keep_shared=False)
+    assert check_combination(**args) == "exact"
+
+
+@pytest.mark.parametrize("extra", [dict(prefix_cache="radix"), combo("ngram"), dict(n=2)])
+def test_prefix_caching_that_copies_a_hits_pages_is_exact_with_radix_drafts_and_samples(extra):
+    assert check_combination(**combo(policy="snapkv", enable_prefix_caching=True, prefix_keep_shared=False),
+                             **extra) == "exact"
+
+
+def test_privatize_copies_every_shared_page_and_leaves_the_originals_findable():
+    from kvlab.cache.allocators import NULL_BLOCK, PagedAllocator
+    from kvlab.cache.prefix_cache import PrefixCache
+    from kvlab.registry import PREFIX_EVICTIONS
+
+    cache = PrefixCache(4, PREFIX_EVICTIONS.build("lru"), b"model")
+    alloc = PagedAllocator()
+    bm = BlockManager([LayerGroup((0,))], alloc, 8, 4, 64, prefix_cache=cache)
+    first = Sequence(0, list(range(10, 19)), SamplingParams(max_tokens=4), 4, 0.0)  # 9 tokens: 2 full pages
+    bm.allocate(first, 9, bm.lookup(first))
+    first.num_computed_tokens = 9
+    bm.commit(first)
+    pages = alloc.block_table(bm.key(first, 0))[:2]
+    bm.free(first)  # both full pages parked, findable
+    assert all(cache.is_registered(p) for p in pages) and alloc.num_free_blocks == 8
+    bm.keep_shared = False
+    again = Sequence(1, list(range(10, 19)) + [40], SamplingParams(max_tokens=4), 4, 0.0)
+    hit = bm.lookup(again)
+    assert hit.tokens == 8 and bm.can_allocate(again, hit)
+    again.num_computed_tokens = hit.tokens
+    bm.allocate(again, again.num_tokens - hit.tokens, hit)
+    table = alloc.block_table(bm.key(again, 0))
+    assert not set(table[:2]) & set(pages) and NULL_BLOCK not in table  # its own copies
+    assert sorted(alloc.take_copies()) == sorted(zip(pages, table[:2]))  # filled from the cached originals
+    assert all(cache.is_registered(p) and alloc.num_owners(p) == 0 for p in pages)  # parked again, findable
+    assert bm.protected_slots(again, 0) == 0

@@ -81,6 +81,25 @@ class PagedAllocator(Allocator):
             raise ValueError(f"{num_tokens} cached tokens do not end in the last of {len(pages)} pages")
         self.lengths[seq_id] = num_tokens
 
+    def privatize(self, seq_id: int) -> int:
+        """Give `seq_id` its own copy of every page it shares with another table or the prefix cache (copies
+        in pending_copies, applied before the next forward; the originals stay with their other owners, or
+        parked, findable); returns how many. Fresh pages are taken before any original is let go, so no copy's
+        source is reused as another's destination."""
+        table = self.tables[seq_id]
+        shared = [(i, b) for i, b in enumerate(table) if b != NULL_BLOCK and self._shared(b)]
+        if len(shared) > self.num_free_blocks:
+            raise OutOfBlocks(f"copying {len(shared)} shared pages of sequence {seq_id} needs as many free blocks")
+        fresh = [self._take() for _ in shared]
+        parked: list[int] = []
+        for (i, block), page in zip(shared, fresh):
+            table[i] = page
+            self.pending_copies.append((block, page))
+            self._release(block, parked)
+        if parked:
+            self.prefix_cache.park(parked)
+        return len(shared)
+
     def _shared(self, block: int) -> bool:
         """Must a write into `block` copy it first? Another table holds it, or the prefix cache does
         (a cached page used only in part by a token-granularity hit)."""
