@@ -33,7 +33,7 @@ from kvlab.engine_config import EngineConfig
 from kvlab.llm import LLM
 from kvlab.models import LoadedModel
 from kvlab.sampling_params import SamplingParams
-from kvlab.testing.drafts import _check_nothing_left
+from kvlab.testing.drafts import check_nothing_left
 
 
 def verdict(model: str = "random:llama-tiny", **engine_args) -> tuple[str | None, list[Deviation]]:
@@ -92,7 +92,7 @@ def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | No
     first = tokens(llm, batch)
     second = tokens(llm, batch)  # every shared prefix is cached now (with prefix caching)
     expect("prefix hits", second == first, "a second pass over the same prompts (prefix hits) differs")
-    _check_nothing_left(llm, name)
+    check_nothing_left(llm, name)
     if engine_args.get("draft") is not None:
         plain = make(draft=None, draft_args={})
         expect("draft", tokens(plain, batch) == first, "greedy output differs from the same cache without the draft")
@@ -133,7 +133,7 @@ def _check_schedule_independence(make, batch, n: int, small_pools, name: str) ->
         stats = small.stats()  # the pool must have constrained it: preempted, or (a reserving allocator) run fewer
         if stats["preemptions"] == 0 and stats["max_concurrent_seqs"] >= len(batch) * n:
             continue
-        _check_nothing_left(small, name)
+        check_nothing_left(small, name)
         return None if got == want else f"output differs under preemption and a 32-token step budget (pool {pool})"
     raise AssertionError(f"{name}: no pool of {small_pools} both held the largest request and constrained the run "
                          f"(preempted, or ran fewer at once), so the check did not run: pass small_pools for "

@@ -42,7 +42,7 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
     got = [o.token_ids for o in drafted.generate(batch, greedy)]
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding"
     assert drafted.stats()["spec_drafted_tokens"] > 0, f"draft {name!r} proposed nothing, so the check did not run"
-    _check_nothing_left(drafted, f"draft {name!r}")
+    check_nothing_left(drafted, f"draft {name!r}")
 
     small = make(draft=name, draft_args=draft_args, kv_cache_memory=small_pool, max_num_batched_tokens=32)
     got = [o.token_ids for o in small.generate(batch, greedy)]
@@ -50,7 +50,7 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
                                              f"did not run: pass a smaller small_pool for {model!r}"
     assert got == want, f"draft {name!r}: greedy output differs from plain decoding under preemption"
     assert small.stats()["spec_drafted_tokens"] > 0, f"draft {name!r} proposed nothing under preemption"
-    _check_nothing_left(small, f"draft {name!r}")
+    check_nothing_left(small, f"draft {name!r}")
 
     sampled = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=7)
     first = [o.token_ids for o in drafted.generate(batch[:2], sampled)]
@@ -66,10 +66,10 @@ def check_draft(name: str, draft_args: dict | None = None, model: str = "random:
         engine.abort(i)
     while engine.has_unfinished():
         engine.step()
-    _check_nothing_left(drafted, f"draft {name!r}")
+    check_nothing_left(drafted, f"draft {name!r}")
 
 
-def _check_nothing_left(llm: LLM, name: str) -> None:
+def check_nothing_left(llm: LLM, name: str) -> None:
     """No component keeps per-sequence state and the engine's (and a draft's private) pool is free (pages the
     prefix cache keeps findable count as free: any request may take them)."""
     engine, bm = llm.engine, llm.engine.block_manager
