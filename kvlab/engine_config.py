@@ -87,6 +87,10 @@ class EngineConfig:
     # deviation); False gives a request that hits its own copy of the hit's pages, compressed as without caching
     # (exact: the hit saves the prefill, not the memory)
     prefix_keep_shared: bool = True
+    # every row of a forward pass computed alike (linear layers in fixed tiles, attention a row at a time, a residual
+    # window read in token time): a rounding format's outputs stop depending on batching, chunking, preemption and
+    # drafts, at a cost in speed (kvlab/engine/batch_invariant.py); off by default
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in PLUGIN_ARGS:

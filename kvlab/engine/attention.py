@@ -12,12 +12,14 @@ layer as the forward keyword `kvlab_meta`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from kvlab.kernels.attention_plan import AttentionPlan, plan_paged_attention
 from kvlab.cache.block_manager import BlockManager
 from kvlab.kernels import ops
+from kvlab.kernels.reference.row_attention import open_before, row_attention
 from kvlab.cache.kv_cache import KVCache
 from kvlab.policies.sparse_read import SparseStep
 
@@ -34,10 +36,14 @@ class StepMetadata:
     collect_stats: bool = False  # the cache policy accumulates attention statistics (H2O)
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
     sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
+    batch_invariant: bool = False  # every query row attends alone (kvlab.engine.batch_invariant)
+    before: dict[int, tuple] = field(default_factory=dict)  # batch-invariant, residual window: layer -> the pages
+    # the step seals as they were before it (kernels/reference/row_attention.py open_before)
 
 
 def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager, cache: KVCache,
-              device: torch.device, tree_mask: torch.Tensor | None = None) -> StepMetadata:
+              device: torch.device, tree_mask: torch.Tensor | None = None,
+              batch_invariant: bool = False) -> StepMetadata:
     """The step's attention metadata, once for every layer: per group, the slot of each new token
     and the attention plan over the group's cached slots (not the tokens' positions: a compacted
     group holds fewer slots than its sequence has tokens)."""
@@ -55,11 +61,28 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
         mappings.append(slot_mapping(tables, seq_of, index, bm.block_size).to(device))
         plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
                                           tree_mask=tree_mask, null_block=cache.null_page))
-        if cache.residual is not None:
+        if cache.residual is not None and batch_invariant:
+            drafted = [len(seq.draft_token_ids) for seq in seqs]
+            seals.append(left_window(tables, lens, num_new_tokens, drafted, cache.residual, bm.block_size,
+                                     cache.area.row))
+        elif cache.residual is not None:
             seals.append(leaving_window(tables, lens, num_new_tokens, cache.residual, bm.block_size))
+    before = sealed_before(cache, bm, seals) if batch_invariant and cache.residual is not None else {}
     cache.begin_step(mappings, seals if cache.residual is not None else None)
     sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
-    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse)
+    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse,
+                        batch_invariant=batch_invariant, before=before)
+
+
+def sealed_before(cache: KVCache, bm: BlockManager, seals: list[set[int]]) -> dict[int, tuple]:
+    """layer -> the open pages the step seals (left the residual window), read before any layer's store
+    seals them: what the batch-invariant rows before the seal point read in full precision."""
+    before = {}
+    for g, group in enumerate(bm.groups):
+        pages = {p for p in seals[g] if cache.area.row(p) >= 0}
+        for layer in group.layers:
+            before[layer] = open_before(cache.k(layer), cache.v(layer), pages, cache.compute_dtype)
+    return before
 
 
 def leaving_window(tables: list[list[int]], lens: list[int], num_new: list[int], residual: int,
@@ -72,6 +95,23 @@ def leaving_window(tables: list[list[int]], lens: list[int], num_new: list[int],
         first = max(0, length - n - residual) // block_size
         last = max(0, length - residual) // block_size
         pages.update(p for p in table[first:last] if p >= 0)
+    return pages
+
+
+def left_window(tables: list[list[int]], lens: list[int], num_new: list[int], drafted: list[int], residual: int,
+                block_size: int, row_of: Callable[[int], int]) -> set[int]:
+    """Batch-invariant mode: the pages open (`row_of(page) >= 0`) or written this step whose tokens are all older than the newest
+    `residual` of the sequence's tokens before its drafted ones (token time: a drafted token that may be
+    rejected seals nothing; the rows of the step that see such a page as left read it quantised on the fly,
+    kernels/reference/row_attention.py). Pages seal in order, so each table is scanned back from its
+    last page to leave until a page that is not open."""
+    pages = set()
+    for table, length, n, k in zip(tables, lens, num_new, drafted):
+        first_written = (length - n) // block_size  # the first page this step writes
+        j = max(0, length - k - residual) // block_size - 1
+        while j >= 0 and table[j] >= 0 and (j >= first_written or row_of(table[j]) >= 0):
+            pages.add(table[j])
+            j -= 1
     return pages
 
 
@@ -112,6 +152,9 @@ def paged_attention_forward(
         meta.cache.store(layer, key, value, meta.slot_mapping[group], head)
         qh = q if head is None else q.unflatten(1, (key.shape[1], -1))[:, head]  # [T, Hq or g, D]
         plan = meta.plans[group] if meta.sparse is None else meta.sparse.plan(layer, qh, meta.plans[group], scaling)
+        if meta.batch_invariant:
+            outs.append(rows_alone(meta, layer, head, qh, key, value, plan, scaling, softcap))
+            continue
         out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), plan, scaling,
                                       softcap, *meta.cache.head_scales(layer, head),
                                       return_stats=meta.collect_stats)  # [T, Hq or g, D]
@@ -120,6 +163,22 @@ def paged_attention_forward(
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
     return out.unsqueeze(0), None
+
+
+def rows_alone(meta: StepMetadata, layer: int, head: int | None, q, key, value, plan, scaling, softcap):
+    """The batch-invariant attention of one layer (and KV head): each query row alone, in token time."""
+    cache = meta.cache
+    if head is not None:
+        key, value = key[:, head : head + 1], value[:, head : head + 1]
+    residual, scales = cache.residual, cache.head_scales(layer, head)
+    out = row_attention(q, cache.k(layer), cache.v(layer), plan, scaling, softcap, *scales,
+                        residual=residual, before=meta.before.get(layer), new=(key, value),
+                        residual_dtype=None if residual is None else cache.quant.residual_storage_dtype(q.dtype))
+    if meta.collect_stats:  # the policy's statistics from the reference (their sums are not made row-invariant)
+        from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
+
+        meta.stats[layer] = attention_stats_from_plan(q, cache.k(layer), plan, scaling, softcap, scales[0], None)
+    return out
 
 
 def register() -> str:

@@ -285,7 +285,8 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
     if compressor or cache.sparse_read is not None:
         scheduler.stop_at = chunk_end(compressor, cache)
     parts = Parts(config, policy, quant, draft, caps, model, loaded.tokenizer, mc, max_model_len, bos, eos,
-                  per_block, bm, cache, kv, scheduler, ModelRunner(model, kv, config.device), compressor,
+                  per_block, bm, cache, kv, scheduler,
+                  ModelRunner(model, kv, config.device, config.batch_invariant), compressor,
                   PrivatePools(config, bm, max_model_len))
     if draft is not None:
         draft.setup(parts)  # e.g. loads the draft model (through private_pools) and checks its vocabulary

@@ -37,6 +37,7 @@ class Capabilities:
     sparse_read: bool  # the policy reads only selected pages at decode
     packed: bool  # the format packs several tokens' codes and scales into a page
     rounds: bool  # the format stores K/V coarser than the model computes them (packed, or a narrower dtype)
+    residual_window: bool  # the format keeps its newest tokens (more than one) in full precision before sealing
     backends: tuple[str, ...]  # kernel backends that read the format
     allocator_compacts: bool  # the allocator has compact()
     allocator_shares_cached: bool  # the allocator shares cached pages (allocate_cached)
@@ -45,6 +46,7 @@ class Capabilities:
     keeps_shared_pages: bool  # prefix caching shares a hit's pages, kept whole when the request is compacted
     token_granular_prefix: bool  # a hit may end inside a cached page (radix, or prefix_match='token')
     backend: str  # the kernel backend this configuration runs: 'triton' or 'torch'
+    batch_invariant: bool = False  # every row of a pass computed alike (EngineConfig.batch_invariant)
     samples: int = 1  # a request's SamplingParams.n (the request-time rows)
 
 
@@ -62,6 +64,7 @@ def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilit
         sparse_read=isinstance(policy, SparseReadPolicy),
         packed=bool(getattr(quant, "packed", False)),
         rounds=bool(getattr(quant, "packed", False)) or quant.storage_dtype(compute) != compute,
+        residual_window=(getattr(quant, "residual", None) or 0) > 1,
         backends=tuple(quant.backends),
         allocator_compacts=allocator_cls.compact is not Allocator.compact,
         allocator_shares_cached=hasattr(allocator_cls, "allocate_cached"),
@@ -71,6 +74,7 @@ def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilit
         token_granular_prefix=bool(config.enable_prefix_caching) and (config.prefix_cache == "radix"
                                                                      or config.prefix_match == "token"),
         backend=backend,
+        batch_invariant=bool(getattr(config, "batch_invariant", False)),
     )
 
 
@@ -174,9 +178,16 @@ DEVIATIONS: list[Deviation] = [
     Deviation("a rounding format under a changing schedule",
               "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "
               "(codes, scales, a narrower dtype) can turn into a different stored value: outputs may change with "
-              "batching, prefill chunking, preemption and the rows a draft adds (a batch-invariant mode, "
-              "not built yet, would make every pass compute each row alike)",
-              lambda c: c.rounds, ("prefix hits", "schedule", "draft")),
+              "batching, prefill chunking, preemption and the rows a draft adds; batch_invariant=True computes "
+              "every row alike (and reads a residual window in token time), which makes it exact",
+              lambda c: c.rounds and not c.batch_invariant, ("prefix hits", "schedule", "draft")),
+    Deviation("prefix caching with a residual window",
+              "a hit's cached pages are sealed (their codes), where a request computing the prefix itself still "
+              "reads the last `residual` tokens before the hit's end in full precision for its first rows; "
+              "with batch_invariant=True everything else is exact, and formats without a residual window "
+              "(fp8, int8, bf16, fp16) are exact with prefix hits too",
+              lambda c: c.rounds and c.batch_invariant and c.prefix_caching and c.residual_window,
+              ("prefix hits", "schedule")),
 ]
 
 

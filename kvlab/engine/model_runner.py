@@ -8,11 +8,13 @@ step from the block manager (`kvlab.engine.attention.plan_step`) and shared by e
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.engine.attention import plan_step
+from kvlab.engine.batch_invariant import BatchInvariantMode
 from kvlab.cache.paged_kv import PagedKV
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.sequence import Sequence
@@ -30,8 +32,9 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: PagedKV, device: torch.device | str):
+    def __init__(self, model: torch.nn.Module, kv: PagedKV, device: torch.device | str, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # every row computed alike (kvlab.engine.batch_invariant)
         self.kv = kv  # KV moves (copy-on-write copies) go through it; reads through the two below
         self.cache = kv.cache
         self.block_manager = kv.block_manager
@@ -53,13 +56,14 @@ class ModelRunner:
                 offset += n
             meta.query_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.kv.apply_copies()  # copy-on-write: before the forward writes into the copies
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            kvlab_meta=meta,
-        )
+        with BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext():
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                kvlab_meta=meta,
+            )
         queries = {layer: list(q.split(counts)) for layer, q in meta.queries.items()} if counts else {}
         return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries=queries, stats=meta.stats,
                           verify_rows=verify_rows)
@@ -103,7 +107,8 @@ class ModelRunner:
             keep.append(0)
         dev = self.device
         mask = tree_mask(trees, max(batch.num_new_tokens), len(ids))
-        meta = plan_step(batch.seqs, batch.num_new_tokens, self.block_manager, self.cache, dev, mask)
+        meta = plan_step(batch.seqs, batch.num_new_tokens, self.block_manager, self.cache, dev, mask,
+                         batch_invariant=self.batch_invariant)
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),  # [T] RoPE position of each new token

@@ -1,0 +1,136 @@
+"""Batch-invariant attention: every query row computed alone, over exactly the keys it sees, in token time.
+
+The engine's batch-invariant mode (`EngineConfig.batch_invariant`, kvlab.engine.batch_invariant) runs each
+query row of a step through the same call whatever else the step computes: a decode row, a row of a
+prefill chunk and a row a draft adds to a verification pass reach the same numbers to the bit, because
+each is `scaled_dot_product_attention` of one query ([1, Hkv, g, D]) over its own visible keys
+([1, Hkv, n, D], in cache order), never a padded or batched matrix whose shape depends on the step.
+
+What a row reads is defined by its own cache index c (token time), not by the step:
+- the keys the plan shows it (causal, sliding window, released pages, tree mask: the reference's masks);
+- with a format that keeps a residual window of R tokens, page j as its stored codes (dequantised) when
+  it had left the window at c ((j + 1) * block_size <= c + 1 - R), and in full precision otherwise,
+  even if a later row of the same step has since sealed it. `before` holds the pages as they were
+  before this step's store (open pages: their residual rows, exact); this step's own new keys are
+  taken from the layer's keys, rounded through the residual rows' dtype as a later read would be.
+
+    before = open_before(k_cache, v_cache, pages_sealed_this_step, q.dtype)  # before the store
+    out = row_attention(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
+                        residual=R, before=before, new=(key, value), residual_dtype=dt)
+
+`open_before(k_cache, v_cache, pages, dtype)` takes `before`: the pages the step seals, as they were.
+Slow by design (a call per query row): the oracle of the mode, and its CPU implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.kernels.attention_plan import AttentionPlan
+from kvlab.kernels.reference.attention_parts import attention_logits, plan_parts
+from kvlab.kernels.reference.paged_attention import gather_blocks
+
+
+def open_before(k_cache, v_cache, pages: set[int], dtype: torch.dtype):
+    """(pages [P], K [P, bs, Hkv, D], V) of `pages` as the pool holds them now (before a store: an open
+    page's full-precision residual row), or None when there are none."""
+    if not pages:
+        return None
+    device = k_cache.device
+    p = torch.tensor(sorted(pages), dtype=torch.int64, device=device)
+    return p, k_cache.read_pages(p, dtype), v_cache.read_pages(p, dtype)
+
+
+def row_attention(
+    q: torch.Tensor,  # [T, Hq, D] packed queries
+    k_cache, v_cache,  # pools (tensors or packed PageStores), after this step's store
+    plan: AttentionPlan,
+    scale: float,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    residual: int | None = None,  # the format's residual window in tokens (None: every key read as stored)
+    before=None,  # open_before(...) of the pages this step seals, taken before the store
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's (key, value) [T, Hkv, D] (with `residual`)
+    residual_dtype: torch.dtype | None = None,  # dtype of the residual rows (full-precision reads round to it)
+) -> torch.Tensor:
+    """Attention output [T, Hq, D], each row alone (see the module docstring)."""
+    out = q.new_empty(q.shape)
+    Hq, D = q.shape[1:]
+    bs = plan.block_size
+    for part in plan_parts(plan):
+        k_now = gather_blocks(k_cache, part.blocks, k_scale, q.dtype)  # [B, Hkv, L, D]
+        v_now = gather_blocks(v_cache, part.blocks, v_scale, q.dtype)
+        Hkv = k_now.shape[1]
+        g = Hq // Hkv
+        if residual is not None:
+            k_full, v_full = full_precision(k_now, v_now, part, plan, before, new, residual_dtype)
+            k_now, v_now = quantised(k_cache, k_now, part, bs), quantised(v_cache, v_now, part, bs)
+        for b_local, b in enumerate(part.seq_rows):
+            q_len = int(part.q_lens[b_local])
+            start = plan.seq_lens[b] - q_len  # cache index of the sequence's first new token
+            token0 = plan.cu_seqlens_q[b]
+            for qi in range(q_len):
+                visible = part.mask[b_local, 0, qi].nonzero().view(-1)  # [n] gathered positions it reads
+                k, v = k_now[b_local][:, visible], v_now[b_local][:, visible]  # [Hkv, n, D]
+                if residual is not None:
+                    index = part.key_index[b_local, visible]
+                    c = start + qi  # the row's own cache index
+                    stored = ((index // bs + 1) * bs <= c + 1 - residual)[None, :, None]  # left the window at c
+                    k = torch.where(stored, k, k_full[b_local][:, visible])
+                    v = torch.where(stored, v, v_full[b_local][:, visible])
+                qr = q[token0 + qi].view(1, Hkv, g, D)
+                if softcap is not None:
+                    s = attention_logits(qr.reshape(1, Hq, 1, D), k[None], k.new_ones(1, 1, 1, k.shape[1],
+                                         dtype=torch.bool), scale, softcap)  # [1, Hkv, g, 1, n]
+                    p = torch.softmax(s, dim=-1).view(1, Hkv, g, -1)
+                    o = torch.matmul(p, v[None].float()).to(q.dtype)
+                else:
+                    o = F.scaled_dot_product_attention(qr, k[None], v[None], scale=scale)  # [1, Hkv, g, D]
+                out[token0 + qi] = o.reshape(Hq, D)
+    return out
+
+
+def quantised(store, gathered: torch.Tensor, part, block_size: int) -> torch.Tensor:
+    """The part's gathered K or V [B, Hkv, L, D] as stored codes read: pages still open (their tokens in a
+    residual row) encoded and decoded as sealing them will (a row of this step that sees the page as left
+    the window reads it so: the page is sealed once no drafted token can be rejected)."""
+    open_ = (store.area.row_of.index_select(0, part.blocks.reshape(-1)) >= 0).view(part.blocks.shape)  # [B, NB]
+    if not bool(open_.any()):
+        return gathered
+    B, Hkv, L, D = gathered.shape
+    pages = gathered.view(B, Hkv, L // block_size, block_size, D).permute(0, 2, 3, 1, 4)  # [B, NB, bs, Hkv, D]
+    rows = pages[open_].float()  # [P, bs, Hkv, D]
+    valid = torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)
+    coded = store.codec.decode(store.codec.encode(rows, valid), gathered.dtype)
+    out = pages.clone()
+    out[open_] = coded
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Hkv, L, D)
+
+
+def full_precision(k_now, v_now, part, plan: AttentionPlan, before, new, residual_dtype):
+    """The part's gathered K/V [B, Hkv, L, D] as full-precision reads see them: the pages this step seals
+    as they were before it (`before`) and the step's own keys as a residual row returns them."""
+    k_full, v_full = k_now.clone(), v_now.clone()
+    bs = plan.block_size
+    if before is not None:
+        pages, k_old, v_old = before
+        where = {p: i for i, p in enumerate(pages.tolist())}
+        for b_local, blocks in enumerate(part.blocks.tolist()):
+            for col, page in enumerate(blocks):
+                i = where.get(page)
+                if i is not None and part.key_index[b_local, col * bs] >= 0:
+                    k_full[b_local][:, col * bs:(col + 1) * bs] = k_old[i].transpose(0, 1)
+                    v_full[b_local][:, col * bs:(col + 1) * bs] = v_old[i].transpose(0, 1)
+    for b_local, b in enumerate(part.seq_rows):
+        start = plan.seq_lens[b] - int(part.q_lens[b_local])
+        keys = part.key_index[b_local]  # [L] cache index of each gathered key (-1: pads, released)
+        fresh = (keys >= start).nonzero().view(-1)
+        if fresh.numel():
+            tokens = plan.cu_seqlens_q[b] + keys[fresh] - start
+            for full, x in ((k_full, new[0]), (v_full, new[1])):
+                full[b_local][:, fresh] = x.index_select(0, tokens).float().to(residual_dtype).to(
+                    full.dtype).transpose(0, 1)
+    return k_full, v_full

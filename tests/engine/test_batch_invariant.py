@@ -1,0 +1,178 @@
+"""The batch-invariant mode (EngineConfig.batch_invariant, kvlab/engine/batch_invariant.py).
+
+Its claim is bitwise: the logits the engine computes after a given context are the same bits whatever the
+step's shape (solo or batched, one prefill chunk or many, a draft's verification rows), so a rounding cache
+format stores the same codes and every output follows. The tests record every logits row the runner
+computes, keyed by the context it follows, and compare runs. Each also shows the default mode differing
+on the same runs, so the comparison can fail."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.engine.batch_invariant import TILE, BatchInvariantMode, tiled_linear
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.llm import LLM
+from kvlab.sampling_params import SamplingParams
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, TINY
+from kvlab.testing.combinations import check_combination, verdict
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# -- the linear layers ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_of_a_tiled_linear_does_not_depend_on_the_rows_beside_it(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(192, 64, generator=g).to(dtype)
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    alone = torch.cat([tiled_linear(x[i:i + 1], w) for i in range(40)])
+    for rows in (2, 3, 17, 40):
+        assert torch.equal(tiled_linear(x[:rows], w), alone[:rows]), rows
+    shifted = tiled_linear(torch.cat([torch.randn(5, 64, generator=g).to(dtype), x]), w)[5:]
+    assert torch.equal(shifted, alone)
+
+
+def test_the_plain_product_does_depend_on_them():
+    """Why the mode exists: this machine's BLAS gives a row other bits in a 1-row and a 40-row product."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(40, 576, generator=g)
+    alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(40)])
+    assert not torch.equal(F.linear(x, w), alone)
+
+
+def test_the_mode_routes_linear_and_nothing_else():
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    with BatchInvariantMode():
+        y = F.linear(x, w)
+        z = torch.matmul(x, w.T)
+    assert torch.equal(y, tiled_linear(x, w)) and y.shape == (3, 8) and z.shape == (3, 8)
+    assert TILE == 16
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+def record_logits(llm: LLM) -> dict[tuple[int, ...], torch.Tensor]:
+    """Every logits row the engine's runner computes for a sampled or verified position, keyed by the
+    context it follows (a draft's verification rows: the context plus the drafted tokens before the row)."""
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
+    runner: ModelRunner = llm.engine.runner
+    run = runner.run
+
+    def recording(batch, *args, **kwargs):
+        drafts = {seq.seq_id: list(seq.draft_token_ids) for seq in batch.seqs}
+        out = run(batch, *args, **kwargs)
+        for seq, row in out.sample_rows:
+            rows[tuple(seq.token_ids)] = out.logits[row].clone()
+        for seq, verify in out.verify_rows:
+            context = list(seq.token_ids)  # the verified tokens are appended after the run
+            for i, row in enumerate(verify):
+                rows[tuple(context + drafts[seq.seq_id][:i])] = out.logits[row].clone()
+        return out
+
+    runner.run = recording
+    return rows
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(3, 250) for _ in range(k)] for k in (23, 41, 58, 70)]
+
+
+def run(schedule: dict, max_tokens: int = 10, **engine_args) -> tuple[list[list[int]], dict]:
+    """Generate greedily over `prompts()`; schedule: {'solo': True} one request at a time, else engine args."""
+    solo = schedule.pop("solo", False)
+    llm = LLM(model=TINY, kv_cache_memory="4MiB", **schedule, **engine_args)
+    seen = record_logits(llm)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ps = prompts()
+    outs = [llm.generate([p], sp)[0] for p in ps] if solo else llm.generate(ps, sp)
+    return [o.outputs[0].token_ids for o in outs], seen
+
+
+def same_bits(a: dict, b: dict) -> tuple[int, int]:
+    """(contexts both runs computed, how many of them with other bits)."""
+    common = a.keys() & b.keys()
+    return len(common), sum(not torch.equal(a[c], b[c]) for c in common)
+
+
+SCHEDULES = {  # each against the batched, one-chunk run
+    "solo": {"solo": True},
+    "chunked": {"max_num_batched_tokens": 16},
+    "ngram draft": {"draft": "ngram", "draft_args": DRAFT_ARGS["ngram"]},
+    "layerskip draft": {"draft": "layerskip", "draft_args": DRAFT_ARGS["layerskip"]},
+}
+
+
+@pytest.mark.parametrize("quant", ["int4", "fp8_e4m3"])
+def test_every_logit_is_the_same_bits_under_any_schedule(quant):
+    tokens, base = run({}, quant=quant, batch_invariant=True)
+    for name, schedule in SCHEDULES.items():
+        other_tokens, other = run(dict(schedule), quant=quant, batch_invariant=True)
+        common, differ = same_bits(base, other)
+        assert common >= 30 and differ == 0, (quant, name, common, differ)
+        assert other_tokens == tokens, (quant, name)
+
+
+def test_without_the_mode_the_same_runs_differ():
+    _, base = run({}, quant="int4")
+    differing = []
+    for name, schedule in SCHEDULES.items():
+        common, differ = same_bits(base, run(dict(schedule), quant="int4")[1])
+        assert common >= 30
+        differing += [name] if differ else []
+    assert len(differing) >= 2, differing
+
+
+def test_a_compressing_policy_keeps_the_bits():
+    args = dict(quant="int4", policy="snapkv", policy_args=POLICY_ARGS["snapkv"], batch_invariant=True)
+    _, base = run({}, **args)
+    for schedule in ({"max_num_batched_tokens": 16}, {"draft": "ngram", "draft_args": DRAFT_ARGS["ngram"]}):
+        common, differ = same_bits(base, run(dict(schedule), **args)[1])
+        assert common >= 30 and differ == 0, schedule
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(quant="int4", draft="ngram", draft_args=DRAFT_ARGS["ngram"]),
+    dict(quant="int2", draft="model", draft_args=DRAFT_ARGS["model"]),
+    dict(quant="bf16", draft="tree", draft_args=DRAFT_ARGS["tree"]),
+], ids=["int4-ngram", "int2-model", "bf16-tree"])
+def test_the_combination_suite_finds_rounding_formats_exact(engine_args):
+    assert check_combination(batch_invariant=True, **engine_args) == "exact"
+
+
+def two_passes(quant: str, prefix_cache: str) -> tuple[int, int]:
+    """Prompts and prompts sharing 50 tokens with another, twice (the second pass hits the first's pages)
+    -> same_bits(first pass, second pass)."""
+    llm = LLM(model=TINY, kv_cache_memory="4MiB", quant=quant, batch_invariant=True, enable_prefix_caching=True,
+              prefix_cache=prefix_cache)
+    seen = record_logits(llm)
+    ps = prompts()
+    ps += [ps[3][:50] + p for p in ps[:3]]
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    llm.generate(ps, sp)
+    first = dict(seen)
+    seen.clear()
+    llm.generate(ps, sp)
+    assert llm.engine.stats()["prefix_hit_tokens"] > 0
+    return same_bits(first, seen)
+
+
+@pytest.mark.parametrize("quant,prefix_cache", [("fp8_e4m3", "hash"), ("bf16", "radix")])
+def test_prefix_hits_keep_the_bits_without_a_residual_window(quant, prefix_cache):
+    common, differ = two_passes(quant, prefix_cache)
+    assert common >= 40 and differ == 0
+
+
+def test_a_residual_window_under_prefix_hits_is_the_declared_deviation():
+    """A hit's pages are sealed where the request's own first rows would read them in full precision: other
+    bits, declared in the capability table (and so excused by the combination suite)."""
+    common, differ = two_passes("int4", "hash")
+    assert common >= 40 and differ > 0
+    _, deviating = verdict(quant="int4", batch_invariant=True, enable_prefix_caching=True)
+    assert [d.name for d in deviating] == ["prefix caching with a residual window"]
+    assert verdict(quant="int4", batch_invariant=True)[1] == []
+    assert verdict(quant="int4", quant_args={"residual": 0}, batch_invariant=True, enable_prefix_caching=True)[1] == []
