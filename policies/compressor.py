@@ -41,6 +41,7 @@ import torch
 
 from kvlab.cache.paged_kv import PagedKV
 from kvlab.policies.base import Policy
+from kvlab.policies.prefix_mass import PrefixMass
 from kvlab.sequence import Sequence
 
 
@@ -58,6 +59,9 @@ class Compressor:
             self.layers.setdefault(self.bm.groups[g].layers[0], []).append(g)
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
         self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
+        self.prefix_mass: PrefixMass | None = None  # with prefix caching: what a prefix's own queries paid its keys
+        if self.bm.prefix_cache is not None and policy.needs_attention_stats:
+            self._keep_prefix_mass()
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -116,6 +120,8 @@ class Compressor:
         mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due."""
         if stats:
             self._accumulate(seqs, num_new_tokens, stats)
+            if self.prefix_mass is not None:
+                self._publish_prefix_mass(seqs)
         for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
             if self.policy.query_window and queries:
                 self._record_queries(seq, n, [(layer, q[i]) for layer, q in queries.items()])
@@ -153,6 +159,42 @@ class Compressor:
                 if old is not None:
                     step[: old.shape[0]] += old
                 mass[layer] = step
+
+    # -- accumulated attention of cached prefixes (prefix caching; kvlab.policies.prefix_mass) ------------
+    def _keep_prefix_mass(self) -> None:
+        """Keep each registered prefix's own attention mass beside its pages: a hit ends only where some is kept
+        (the block manager's `hit_ends`), starts from it (`on_hit`), and it goes when a page of it is evicted."""
+        self.prefix_mass = PrefixMass()
+        self.bm.hit_ends = self.prefix_mass.has
+        self.bm.on_hit = self._seed
+        self.bm.prefix_cache.on_unregister.append(self.prefix_mass.drop)
+
+    def stats_point(self, seq: Sequence) -> int | None:
+        """With kept prefix statistics, the page boundary before the prompt's last token (where a later request
+        with this prompt hits: `lookup` never takes the last token), at which a chunk must end so the running
+        totals there can be kept; None once past it, without prefix statistics, or with when="chunk" (a chunk
+        end is a compression there: the totals are kept only where a chunk ends on a page boundary anyway)."""
+        if self.prefix_mass is None or self.policy.when == "chunk":
+            return None
+        point = (_prompt_end(seq) - 1) // self.bm.block_size * self.bm.block_size
+        return point if seq.num_computed_tokens < point else None
+
+    def _publish_prefix_mass(self, seqs: list[Sequence]) -> None:
+        """A sequence whose step ended on a page boundary of its prompt, its pages still registered (never
+        compacted): its running totals are what the prefix's own queries paid its keys, kept for its node."""
+        for seq in seqs:
+            done = seq.num_computed_tokens
+            node = self.bm.registered_node(seq, done) if done <= _prompt_end(seq) else None
+            mass = self._mass.get(seq.seq_id, {})
+            if node is None or self.prefix_mass.has(node) or set(mass) != set(self.layers):
+                continue
+            if all(m.shape[0] == done for m in mass.values()):
+                self.prefix_mass.put(node, mass)
+
+    def _seed(self, seq: Sequence, node) -> None:
+        """`seq` was admitted with a hit ending after `node`: its running totals start from what the prefix's
+        own queries paid its keys (the queries after the hit add theirs in `_accumulate`)."""
+        self._mass[seq.seq_id] = self.prefix_mass.get(node)
 
     def compress(self, seq: Sequence, queries: dict[int, torch.Tensor],
                  mass: dict[int, torch.Tensor] | None = None) -> int:

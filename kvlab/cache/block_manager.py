@@ -107,6 +107,11 @@ class BlockManager:
         # share the page (not while it is open in another sequence's window); None: every cached page
         self.shareable: Callable[[int, bool], bool] | None = None
         self._hits: dict[int, tuple[int, set]] = {}  # seq id -> (hit tokens, {(group, page)} taken from the cache)
+        # a policy ranking keys by accumulated attention: may a hit end after this node (the attention its prefix's
+        # own queries paid its keys is kept there, kvlab.policies.prefix_mass)? None: any node. A hit is cut
+        # back to the deepest node it holds true for; `on_hit(seq, node)` hears the hit's last node at admission
+        self.hit_ends: Callable[[Node], bool] | None = None
+        self.on_hit: Callable[[Sequence, Node], None] | None = None
         # called after a sequence's tables are freed (the cache gives back residual rows leased for its open pages)
         self.on_free: Callable[[], None] | None = None
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
@@ -209,7 +214,19 @@ class BlockManager:
             k -= 1  # a window group needs the pages of the window before the hit
         if not hit:
             nodes, hit = nodes[:k], k * bs
+        if self.hit_ends is not None and hit:
+            nodes, hit = self._cut_to_kept_stats(nodes, hit)
         return PrefixHit(seq.seq_id, hit, tuple(nodes))
+
+    def _cut_to_kept_stats(self, nodes: list[Node], hit: int) -> tuple[list[Node], int]:
+        """The hit cut back to the deepest whole block whose node `hit_ends` accepts (and whose pages every
+        group still finds): a hit ending inside a page, or at a node without kept statistics, would skip
+        queries whose attention the policy then lacks."""
+        k = hit // self.block_size
+        while k and not (self.hit_ends(nodes[k - 1])
+                         and all(self._has_pages(g, nodes[:k], k * self.block_size) for g in range(len(self.groups)))):
+            k -= 1
+        return nodes[:k], k * self.block_size
 
     def _first_needed(self, group: int, hit: int) -> int:
         """First block a query at cache index `hit` can see in `group`."""
@@ -313,6 +330,8 @@ class BlockManager:
         for key in self._keys(seq):
             self.allocator.append_slots(key, num_tokens)
         self.prefix_cache.start(seq.seq_id, nodes[:hit // self.block_size], used)
+        if hit and self.on_hit is not None:
+            self.on_hit(seq, nodes[-1])
         self._hits[seq.seq_id] = (hit, taken)
         stats = self.prefix_cache.stats
         stats.queried_tokens += seq.num_tokens_to_compute
@@ -405,6 +424,18 @@ class BlockManager:
                                                              or self.allocator.num_owners(table[k]) > 1):
             k += 1
         return min(k * self.block_size, n)
+
+    def registered_node(self, seq: Sequence, num_tokens: int) -> Node | None:
+        """The prefix-cache node of `seq`'s block ending at token `num_tokens` (a page boundary), if `seq` still
+        registers (never compacted) and that block is registered in every group; else None."""
+        if self.prefix_cache is None or seq.seq_id in self._compacted or not num_tokens or num_tokens % self.block_size:
+            return None
+        chain = self.prefix_cache.chains.get(seq.seq_id, [])
+        k = num_tokens // self.block_size
+        if len(chain) < k or not chain[k - 1].alive:
+            return None
+        node = chain[k - 1]
+        return node if len(node.pages) == len(self.groups) else None
 
     def num_hit_tokens(self, seq: Sequence) -> int:
         """Tokens `seq` took from the prefix cache when it was last admitted (its first computed token)."""

@@ -89,6 +89,9 @@ class PrefixCache:
         self.chains: dict[int, list[Node]] = {}  # sequence id -> nodes of its committed full blocks
         self.roots: dict[bytes, list[Node]] = {}  # salt -> first blocks (for partial matches)
         self.stats = PrefixStats()
+        # called with a node that loses a page (evicted): what is kept beside its pages goes with them
+        # (a compressor's accumulated attention of the prefix, kvlab.policies.prefix_mass)
+        self.on_unregister: list[Callable[[Node], None]] = []
 
     # -- lookup ------------------------------------------------------------------
     def _block(self, token_ids: list[int], i: int) -> tuple:
@@ -205,6 +208,8 @@ class PrefixCache:
         node, group = self.page_node.pop(page)
         del node.pages[group]
         self.eviction.forget(page)
+        for listener in self.on_unregister:
+            listener(node)
         while node is not None and self._prune(node):
             node = node.parent
 

@@ -152,6 +152,8 @@ def chunk_end(compressor, cache: KVCache) -> Callable[[Sequence], int | None]:
     chunk reads every page densely). So a recompute rebuilds what the first pass did."""
     def stop_at(seq: Sequence) -> int | None:
         point = compressor.next_point(seq) if compressor else None
+        kept = compressor.stats_point(seq) if compressor else None  # where a prefix's attention mass is kept
+        point = kept if point is None or (kept is not None and kept < point) else point
         if cache.sparse_read is not None and not seq.is_scoring:
             done = seq.num_computed_tokens
             read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1

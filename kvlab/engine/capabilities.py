@@ -112,12 +112,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.compacts and not c.allocator_compacts,
             lambda c: f"policy {c.policy!r} compacts block tables, which the {c.allocator!r} allocator cannot do "
                       f"(it has no compact()); use allocator 'paged' or 'contiguous'"),
-    Refusal("prefix caching with accumulated attention (H2O)",
-            "a prefix hit skips the queries of the tokens it reuses",
-            lambda c: c.prefix_caching and c.compacts and c.accumulated_attention,
-            lambda c: f"enable_prefix_caching with policy {c.policy!r} is not supported yet: it ranks keys by the "
-                      f"attention every query paid them, and a prefix hit skips the queries of the tokens it "
-                      f"reuses; use a policy without accumulated attention statistics"),
     Refusal("prefix caching with a policy whose select cannot protect shared pages",
             "shared pages must be kept as they are",
             lambda c: c.keeps_shared_pages and c.compacts and not c.protects_shared_pages,
@@ -145,7 +139,9 @@ REFUSED: list[Refusal] = [
             lambda c: c.backend not in c.backends,
             lambda c: f"quant={c.quant!r}: the {c.backend} kernel backend cannot read this cache format (it is "
                       f"read by: {', '.join(c.backends)}); set kernel_backend='torch'"),
-    Refusal("per-head budgets with accumulated attention statistics", "the statistics are gathered per layer",
+    Refusal("per-head budgets with accumulated attention statistics",
+            "the statistics are gathered per layer (a per-head table's overwrite each other); no built-in reaches "
+            "it: adakv refuses a scorer with accumulated statistics",
             lambda c: c.compacts and c.head_budgets and c.accumulated_attention,
             lambda c: f"policy {c.policy!r}: per-head budgets cannot use accumulated attention statistics yet (the "
                       f"statistics are gathered per layer)"),

@@ -264,13 +264,6 @@ def test_a_compacted_request_registers_nothing_after_its_compaction():
 
 
 # -- bad input ------------------------------------------------------------------------------
-def test_prefix_caching_with_accumulated_attention_statistics_is_refused_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    with pytest.raises(ValueError, match="enable_prefix_caching with policy 'h2o' is not supported yet: it ranks "
-                                         "keys by the attention every query paid them"):
-        LLM("random:llama-tiny", enable_prefix_caching=True, policy="h2o", policy_args={"budget": 32})
-
-
 def test_prefix_caching_with_a_select_that_cannot_protect_pages_is_refused(monkeypatch):
     from kvlab.policies.chunkkv import ChunkKV
     monkeypatch.setattr(kvlab.engine.build, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))

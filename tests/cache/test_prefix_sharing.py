@@ -164,12 +164,9 @@ def test_a_cache_salt_of_the_wrong_type_is_rejected(salt):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(policy="h2o", policy_args={"budget": 32}), "enable_prefix_caching with policy 'h2o' is not supported yet"),
     (dict(allocator="contiguous"), "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
     (dict(allocator="contiguous", prefix_cache="radix"),
      "enable_prefix_caching with allocator 'contiguous' is not supported yet"),
-    (dict(policy="h2o", policy_args={"budget": 32}, prefix_cache="radix"),
-     "enable_prefix_caching with policy 'h2o' is not supported yet"),
     (dict(prefix_cache="trie"), r"prefix_cache: .*'trie'"),
 ])
 def test_prefix_caching_with_an_unsupported_feature_fails_before_the_model_loads(kwargs, message, monkeypatch):

@@ -23,9 +23,6 @@ CASES = {
     "a compressing policy with an allocator that cannot compact": (
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, allocator="test-cannot-compact"),
         dict(policy="full", allocator="test-cannot-compact")),
-    "prefix caching with accumulated attention (H2O)": (
-        dict(policy="h2o", policy_args={"budget": 32}, enable_prefix_caching=True),
-        dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, enable_prefix_caching=True)),
     "prefix caching with a policy whose select cannot protect shared pages": (
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5}, enable_prefix_caching=True),
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),

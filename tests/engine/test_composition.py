@@ -123,7 +123,7 @@ def test_a_bad_argument_is_an_error_not_a_refusal():
         check_combination(draft="ngram", policy="snapkv", policy_args={"budget": -3})
 
 
-@pytest.mark.parametrize("policy", sorted(set(POLICY_ARGS) - {"h2o"}))  # h2o with prefix caching: refused
+@pytest.mark.parametrize("policy", sorted(POLICY_ARGS))
 def test_prefix_caching_that_copies_a_hits_pages_compresses_every_policy_exactly(policy):
     """prefix_keep_shared=False: a hit's pages are copied at admission and compressed as without caching, so
     prefix hits, preemption and batching change nothing (the default keeps shared pages whole: a deviation)."""
