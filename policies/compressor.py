@@ -42,6 +42,7 @@ import torch
 from kvlab.cache.paged_kv import PagedKV
 from kvlab.policies.base import Policy
 from kvlab.policies.prefix_mass import PrefixMass
+from kvlab.policies.verify_rows import add_rows, attention_scales, kept_queries, row_mass
 from kvlab.sequence import Sequence
 
 
@@ -62,7 +63,14 @@ class Compressor:
         self.prefix_mass: PrefixMass | None = None  # with prefix caching: what a prefix's own queries paid its keys
         if self.bm.prefix_cache is not None and policy.needs_attention_stats:
             self._keep_prefix_mass()
+        self.scales: dict[int, tuple[float | None, float | None]] = {}  # layer -> (scale, softcap), from `bind`
         self.reset_stats()
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """The model served: the policy reads what it needs, and a verify step's attention mass is recomputed
+        with each layer's scale and softcap (verify_rows.py)."""
+        self.policy.bind(model)
+        self.scales = attention_scales(model)
 
     def reset_stats(self) -> None:
         self.calls = 0  # sequences compressed
@@ -95,6 +103,9 @@ class Compressor:
     def query_rows(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
         w = self.policy.query_window
+        if seq.draft_token_ids:  # a verify step: which rows count is known after verification (verify_rows.py)
+            decoding = self.policy.when == "decode"
+            return num_new_tokens if decoding and (w or self.policy.needs_attention_stats) else 0
         if not w:
             return 0
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
@@ -115,20 +126,36 @@ class Compressor:
 
     @torch.inference_mode()
     def after_step(self, seqs: list[Sequence], num_new_tokens: list[int], due: list[bool],
-                   queries: dict[int, list[torch.Tensor]], stats: dict[int, torch.Tensor] | None = None) -> None:
+                   queries: dict[int, list[torch.Tensor]], stats: dict[int, torch.Tensor] | None = None,
+                   kept: dict[int, list[int]] | None = None) -> None:
         """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]) and attention
-        mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due."""
+        mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due.
+
+        `kept`: of each sequence that verified drafts this step, the rows of its chunk verification kept
+        (kvlab.speculation.Speculator.kept_rows; the rest were rolled back): only they count, and it is
+        compressed only if they reached its compression point (`due` assumed every row would be kept)."""
+        kept = kept or {}
+        done = [len(kept[s.seq_id]) if s.seq_id in kept else n for s, n in zip(seqs, num_new_tokens)]
+        rows = [{layer: q[i] if s.seq_id not in kept else kept_queries(q[i], kept[s.seq_id])
+                 for layer, q in queries.items()} for i, s in enumerate(seqs)]  # per seq: layer -> [n_i, Hq, D]
         if stats:
-            self._accumulate(seqs, num_new_tokens, stats)
+            self._accumulate(seqs, done, stats, {s.seq_id: q for s, q in zip(seqs, rows) if s.seq_id in kept})
             if self.prefix_mass is not None:
                 self._publish_prefix_mass(seqs)
-        for i, (seq, n, is_due) in enumerate(zip(seqs, num_new_tokens, due)):
-            if self.policy.query_window and queries:
-                self._record_queries(seq, n, [(layer, q[i]) for layer, q in queries.items()])
+        for seq, n, is_due, q in zip(seqs, done, due, rows):
+            if seq.seq_id in kept:
+                is_due = self._reached(seq, n)
+            if self.policy.query_window and q:
+                self._record_queries(seq, n, list(q.items()))
             if is_due:
                 self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
             if self.next_point(seq) is None:  # compressed for the last time: nothing here is read again
                 self.forget(seq)
+
+    def _reached(self, seq: Sequence, n: int) -> bool:
+        """Did the `n` tokens `seq` computed this step (its kept rows) reach its compression point?"""
+        point = self._point(_prompt_end(seq), seq.num_computed_tokens - n)
+        return point is not None and seq.num_computed_tokens >= point
 
     def _record_queries(self, seq: Sequence, n: int, queries: list[tuple[int, torch.Tensor]]) -> None:
         """Keep the latest `query_window` queries of every layer ([n_i, Hq, D] each, this step's rows)."""
@@ -143,8 +170,11 @@ class Compressor:
                 kept = self._queries.setdefault(seq.seq_id, {})
                 kept[layer] = torch.cat([kept[layer], q])[-w:] if layer in kept else q[-w:]
 
-    def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor]) -> None:
-        """Add the step's attention mass to each cached key's running total (H2O's accumulated attention)."""
+    def _accumulate(self, seqs: list[Sequence], num_new_tokens: list[int], stats: dict[int, torch.Tensor],
+                    verified: dict[int, dict[int, torch.Tensor]]) -> None:
+        """Add the step's attention mass to each cached key's running total (H2O's accumulated attention); a
+        verify step's kept rows' mass is recomputed row by row from their queries (`verified`: seq id -> layer ->
+        [kept, Hq, D]; verify_rows.py: the step's statistics sum every row)."""
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
                 self._mass.pop(seq.seq_id, None)
@@ -154,11 +184,25 @@ class Compressor:
             for g in self.groups:
                 layer = self.bm.groups[g].layers[0]
                 length = self.bm.cached_lens([seq], g)[0]
+                if seq.seq_id in verified:
+                    mass[layer] = self._verified_mass(seq, g, layer, length, verified[seq.seq_id], mass.get(layer))
+                    continue
                 step = stats[layer][i, :, :length].T.float().clone()  # [cached, Hkv] (not a view of the batch's)
                 old = mass.get(layer)
                 if old is not None:
                     step[: old.shape[0]] += old
                 mass[layer] = step
+
+    def _verified_mass(self, seq: Sequence, g: int, layer: int, length: int, queries: dict[int, torch.Tensor],
+                       old: torch.Tensor | None) -> torch.Tensor:
+        """`old` plus the mass of the kept rows of `seq`'s verify step, each row as its decode step saw the cache."""
+        queries = queries.get(layer)
+        if queries is None:
+            raise RuntimeError(f"layer {layer}: a verify step's queries were not recorded for the attention statistics")
+        scale, softcap = self.scales.get(layer, (None, None))
+        rows = row_mass(self.cache, layer, self.bm.block_tables([seq], g)[0], length, queries, self.bm.block_size,
+                        scale, softcap)
+        return add_rows(old, rows, length)
 
     # -- accumulated attention of cached prefixes (prefix caching; kvlab.policies.prefix_mass) ------------
     def _keep_prefix_mass(self) -> None:

@@ -283,7 +283,7 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
     scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
     compressor = Compressor(policy, kv, getattr(torch, config.dtype)) if policy.compresses else None
     if compressor:
-        policy.bind(model)
+        compressor.bind(model)  # binds the policy too
     if compressor or cache.sparse_read is not None:
         scheduler.stop_at = chunk_end(compressor, cache)
     parts = Parts(config, policy, quant, draft, caps, model, loaded.tokenizer, mc, max_model_len, bos, eos,

@@ -123,13 +123,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.prefix_caching and not c.allocator_shares_cached,
             lambda c: f"enable_prefix_caching with allocator {c.allocator!r} is not supported yet; use "
                       f"allocator='paged'"),
-    Refusal("a draft with a policy compressing during decode",
-            "a verify step can cross a compression point, and its rows would need per-row masks",
-            lambda c: c.draft is not None and c.compacts and c.compresses_at_decode,
-            lambda c: f"draft {c.draft!r} with policy {c.policy!r} compressing during decode (when='decode'): a "
-                      f"verify step can cross a compression point, where each query row would need the cache plain "
-                      f"decoding shows it (per-row masks), which is not built yet; use the policy's when='prefill' "
-                      f"or 'chunk' (then it composes with every draft), or draft=None"),
     Refusal("a token-tree draft with a packed format", "the accepted path's KV is moved slot by slot",
             lambda c: c.moves_kv_slots and c.packed,
             lambda c: f"draft {c.draft!r} with quant {c.quant!r}: the accepted path's KV is moved into place slot "

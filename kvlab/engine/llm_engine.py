@@ -289,7 +289,8 @@ class LLMEngine:
         self.scheduler.advance(batch, rejected)
         self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:
-            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats)
+            kept = self.speculator.kept_rows if self.speculator else None  # the rows each verify step kept
+            self.compressor.after_step(batch.seqs, batch.num_new_tokens, due, out.queries, out.stats, kept)
         self._admit_samples(spawned)
 
     def _stream_states(self, seqs) -> dict[int, torch.Tensor]:

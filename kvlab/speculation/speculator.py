@@ -50,6 +50,7 @@ class Speculator:
         self._lengths: dict[int, int] = {}  # seq_id -> current draft length (adaptive)
         self._probs: dict[int, torch.Tensor | None] = {}  # seq_id -> q [k, V] of this step's drafts
         self._capped: set[int] = set()  # seq_ids whose draft this step was cut short by max_tokens (adaptive)
+        self.kept_rows: dict[int, list[int]] = {}  # seq_id -> rows of its chunk the last verify kept (the cache policy's)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -119,6 +120,7 @@ class Speculator:
         """`seq` finished or was aborted."""
         self._lengths.pop(seq.seq_id, None)
         self._probs.pop(seq.seq_id, None)
+        self.kept_rows.pop(seq.seq_id, None)
         self.draft.forget(seq.seq_id)
 
     def on_sequence(self, event: str, seq: Sequence) -> None:
@@ -136,6 +138,7 @@ class Speculator:
         """The runner's `verify_rows` -> ([(seq, tokens to emit)], {seq_id: draft tokens rejected})."""
         chains = [(s, rows) for s, rows in out.verify_rows if not s.draft_parents]
         emitted, rejected = self._verify_chains(out, chains, generators)
+        self.kept_rows = {s.seq_id: list(range(len(run))) for s, run in emitted}  # the committed token + a prefix
         for seq, rows in out.verify_rows:
             if seq.draft_parents:
                 emitted.append(self._verify_tree(out, seq, rows, generators.get(seq.seq_id)))
@@ -186,6 +189,7 @@ class Speculator:
         path, accepted, final = tree_speculative_sample(p, q, tokens, parents, torch.ones(1, k + 1, dtype=torch.bool),
                                                         u[None, :k + 1], u[k + 1:])
         nodes = path[0, :int(accepted[0])].tolist()
+        self.kept_rows[seq.seq_id] = [0] + nodes  # the root's row, then the accepted path's (node i: row i)
         self._move_path(seq, nodes)
         depth = max(tree_depths(parents))
         self.num_tree_nodes += k

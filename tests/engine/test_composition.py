@@ -58,13 +58,6 @@ def test_declared_deviations_run_and_say_so():
     assert got == "runs outside the contract: a rounding format under a changing schedule; differed: schedule"
 
 
-def test_a_policy_compressing_during_decode_is_refused_with_a_draft_and_runs_without():
-    args = combo("ngram", "snapkv")
-    args["policy_args"] = {**args["policy_args"], "when": "decode", "every": 8}
-    assert check_combination(**args).startswith("refused: draft 'ngram' with policy 'snapkv' compressing during decode")
-    assert check_combination(policy="snapkv", policy_args=args["policy_args"]) == "exact"
-
-
 def test_a_draft_with_sparse_reading_is_still_refused():
     assert check_combination(**combo("ngram", "rocketkv")).startswith("refused: policy 'rocketkv' reads selected pages")
 
