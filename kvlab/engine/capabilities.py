@@ -132,11 +132,6 @@ REFUSED: list[Refusal] = [
                       f"verify step can cross a compression point, where each query row would need the cache plain "
                       f"decoding shows it (per-row masks), which is not built yet; use the policy's when='prefill' "
                       f"or 'chunk' (then it composes with every draft), or draft=None"),
-    Refusal("a token-tree draft with a packed format", "the accepted path's KV is moved slot by slot",
-            lambda c: c.moves_kv_slots and c.packed,
-            lambda c: f"draft {c.draft!r} with quant {c.quant!r}: the accepted path's KV is moved into place slot "
-                      f"by slot, which packed pages do not support yet; use an unpacked format (fp32, bf16, fp16, "
-                      f"or fp8 with scaling='fixed')"),
     Refusal("a format the kernel backend cannot read", "each format names the backends that read it",
             lambda c: c.backend not in c.backends,
             lambda c: f"quant={c.quant!r}: the {c.backend} kernel backend cannot read this cache format (it is "

@@ -34,7 +34,6 @@ CASES = {
     "a draft with a policy compressing during decode": (
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5, "when": "decode"}, draft="ngram"),
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, draft="ngram")),  # compressing in prefill
-    "a token-tree draft with a packed format": (dict(draft="tree", quant="int4"), dict(draft="tree", quant="fp16")),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),
