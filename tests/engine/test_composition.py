@@ -165,7 +165,8 @@ def test_privatize_copies_every_shared_page_and_leaves_the_originals_findable():
     assert bm.protected_slots(again, 0) == 0
 
 
-PACKED = {"int8": {}, "fp8_e4m3": {}, "fp8_e5m2": {}, "int4": {"residual": 0}, "int2": {}}  # int4: every node past the window
+# every packed built-in -> its arguments (int4 with residual 0: every tree node lies past the window)
+PACKED = {"int8": {}, "fp8_e4m3": {}, "fp8_e5m2": {}, "int4": {"residual": 0}, "int2": {}}
 ROUNDING = "runs outside the contract: a rounding format under a changing schedule; "
 TREE_OVER_PACKED = [("int8", "plain"), ("int4", "prefix+snapkv")]  # the rest: heavy
 
