@@ -103,6 +103,12 @@ class Sequence:
             return self.score_from - self.num_computed_tokens
         return self.num_uncomputed_tokens + len(self.draft_token_ids)
 
+    def tree_slots(self, num_new_tokens: int) -> int:
+        """Of `num_new_tokens` computed this step, the tentative slots of a token tree (0 for a chain draft):
+        a residual window counts only the committed tokens before them, so they stay in full-precision rows
+        until verification moves the accepted path into place (kvlab.cache.paged_kv.PagedKV.move_path)."""
+        return max(num_new_tokens - self.num_uncomputed_tokens, 0) if self.draft_parents else 0
+
     def keep_draft_tokens(self, num_new_tokens: int) -> None:
         """The step computes `num_new_tokens`: keep only the draft tokens that fit after the uncomputed ones."""
         del self.draft_token_ids[max(num_new_tokens - self.num_uncomputed_tokens, 0):]

@@ -266,9 +266,9 @@ class BlockManager:
     def _new_rows(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> int:
         """Residual rows that writing `num_new_tokens` into `seq`'s tables (after cache index `start`, default
         each table's length) will lease."""
-        a = self.allocator
-        return sum(self.rows.new_rows(a.block_table(k), a.num_tokens(k) if start is None else start, num_new_tokens)
-                   for k in self._keys(seq))
+        a, held = self.allocator, seq.tree_slots(num_new_tokens)
+        return sum(self.rows.new_rows(a.block_table(k), a.num_tokens(k) if start is None else start, num_new_tokens,
+                                      held) for k in self._keys(seq))
 
     def _lease_requests(self, rows: int) -> list[tuple[int, int]]:
         """`rows` leases as allocation requests (a lease is a table of pages_per_row full pages)."""

@@ -50,6 +50,13 @@ class DenseLayout(PageLayout):
             flat = pool.view(-1, *pool.shape[2:])  # [slots, Hkv, D]
             flat[dst[None, :], heads] = flat[src, heads]  # [Hkv, m, D]
 
+    def clear_slots(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.int64, device=self.k[0].device)
+        for pool in (*self.k, *self.v):
+            pool.view(-1, *pool.shape[2:])[index] = 0  # [slots, heads, D]
+
     def _apply(self, op, pairs: list[tuple[int, int]]) -> None:
         """op(k, v, src [N], dst [N]) on every layer slot's pool tensors."""
         if not pairs:

@@ -170,6 +170,24 @@ class KVCache:
             self.sparse_read.moved_to(dst)
         self.layout.move_head_slots(src, dst)
 
+    # -- token trees: tentative slots (kvlab.cache.paged_kv.PagedKV.move_path) -------------------
+    def move_tentative(self, moves: list[tuple[int, int]]) -> None:
+        """A tree's accepted path: tentative slot src -> slot dst, every bit as written (packed pages: in open
+        pages' full-precision rows, or a token-local codec's codes and scales), all reads before writes."""
+        if not moves:
+            return
+        if self.sparse_read is not None:
+            self.sparse_read.moved(moves)
+        self.layout.move_tentative(moves)
+
+    def clear_slots(self, slots: list[int]) -> None:
+        """A tree's rejected nodes: their token slots zeroed in every layer slot (rows and codes alike)."""
+        self.layout.clear_slots(slots)
+
+    def seal(self, pages: set[int]) -> None:
+        """Open pages that left the residual window once a tree's path is in place: encoded from their rows now."""
+        self.layout.seal(pages)
+
     # -- bytes ------------------------------------------------------------------------
     def pool_nbytes(self) -> int:
         """Bytes of the page pool tensors (every part of every page, the null page included)."""

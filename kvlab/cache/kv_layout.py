@@ -81,6 +81,19 @@ class PageLayout(ABC):
         """Per-head compaction: KV head h's K/V at slots src[h] ([Hkv, m]) -> slots dst ([m]), all reads
         before writes, in every layer slot."""
 
+    # -- token trees: tentative slots ------------------------------------------------
+    def move_tentative(self, moves: list[tuple[int, int]]) -> None:
+        """A token tree's accepted path: tentative slot src -> slot dst, every bit as it was written (all reads
+        before writes), in every layer slot. Element-wise pools copy bits anyway."""
+        self.move_slots(moves)
+
+    @abstractmethod
+    def clear_slots(self, slots: list[int]) -> None:
+        """A token tree's rejected nodes: token slots zeroed in every layer slot (nothing of them is kept)."""
+
+    def seal(self, pages: set[int]) -> None:
+        """Open pages that left the residual window once a tree's path is in place: encoded now (no window: none)."""
+
     # -- bytes ------------------------------------------------------------------------
     @abstractmethod
     def page_tensors(self) -> list[torch.Tensor]:

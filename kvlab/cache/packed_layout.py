@@ -214,6 +214,56 @@ class PackedLayout(PageLayout):
         if self.area is not None:
             self.area.end_step()
 
+    # -- token trees: tentative slots (kvlab.cache.paged_kv.PagedKV.move_path) -------------------------
+    # A tree's nodes stay where their bits can move: open pages' full-precision rows (the window counts only
+    # committed tokens, kvlab.engine.attention.leaving_window), or a token-local codec's own codes and scales.
+    def move_tentative(self, moves: list[tuple[int, int]]) -> None:
+        """Bits kept: open page -> open page through the rows, or a token-local codec's parts slot by slot;
+        with a page sealed early (no row could be leased) every move is re-quantised, as compaction does."""
+        if not moves:
+            return
+        src, src_rows, src_off = self._tentative([s for s, _ in moves])
+        dst, dst_rows, dst_off = self._tentative([d for _, d in moves])
+        rows = (src_rows >= 0) & (dst_rows >= 0)
+        parts = (src_rows < 0) & (dst_rows < 0) & self._token_local
+        if not bool((rows | parts).all()):
+            self.move_slots(moves)
+            return
+        for store in self._stores():  # all reads, then the writes
+            tokens = store.read_row_slots(src_rows[rows], src_off[rows]) if rows.any() else None
+            codes = store.read_token_parts(src[parts]) if parts.any() else None
+            if tokens is not None:
+                store.write_row_slots(dst_rows[rows], dst_off[rows], tokens)
+            if codes is not None:
+                store.write_token_parts(dst[parts], codes)
+
+    def clear_slots(self, slots: list[int]) -> None:
+        """Zeroed in open pages' rows and in a token-local codec's parts (a page sealed early keeps its codes)."""
+        if not slots:
+            return
+        index, rows, offsets = self._tentative(slots)
+        open_, parts = rows >= 0, (rows < 0) & self._token_local
+        for store in self._stores():
+            if open_.any():
+                store.write_row_slots(rows[open_], offsets[open_], None)
+            if parts.any():
+                store.write_token_parts(index[parts], None)
+
+    def seal(self, pages: set[int]) -> None:
+        if self.area is not None:
+            self._seal_now({p: self.area.row(p) for p in sorted(pages) if self.area.row(p) >= 0})
+
+    @property
+    def _token_local(self) -> bool:
+        return all(c.token_local for c in self.codecs)
+
+    def _tentative(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """slots -> (slots [N], residual row of each slot's page [N] (-1: sealed), offset in the page [N]) int64."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.k[0].device)
+        pages, offsets = index // self.block_size, index % self.block_size
+        rows = self.area.row_of[pages] if self.area is not None else torch.full_like(index, -1)
+        return index, rows, offsets
+
     # -- bytes ------------------------------------------------------------------------
     def page_tensors(self) -> list[torch.Tensor]:
         return [t for store in self._stores() for t in store.parts.values()]

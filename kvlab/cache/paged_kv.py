@@ -12,7 +12,9 @@ tensors hold (the KV cache). `PagedKV` is the only place that does both, each as
     move_path(seq, num_nodes, nodes)
                                     a token tree's accepted path (of its `num_nodes` tentative slots after
                                     the root, the last committed token): node nodes[j]'s K/V moves to cache
-                                    index root + j, in each group's own indices (then `rollback` drops the rest)
+                                    index root + j, in each group's own indices, bit for bit; the rejected
+                                    nodes' slots are zeroed, and pages the path pushed out of a residual
+                                    window are sealed (then `rollback` drops the rest)
     rollback(seq, num_tokens)       rejected tentative tokens: their slots go (an open packed page is
                                     re-encoded on its next write; nothing to move)
 
@@ -63,17 +65,33 @@ class PagedKV:
         """Accepted tree node nodes[j - 1] (its slot after the root's, at cache index root + node) -> cache
         index root + j, in every layer group (before `rollback` drops everything past the path). The root
         (the last committed token) is the slot before the tree's `num_nodes` tentative ones: its cache index
-        is the group's own (a compressing policy keeps fewer slots than tokens, per layer)."""
-        bm, moves = self.block_manager, []
-        roots = [bm.cached_lens([seq], g)[0] - num_nodes - 1 for g in range(len(bm.groups))]
-        for j, node in enumerate(nodes, start=1):
-            if node != j:
-                for g, root in enumerate(roots):
-                    moves.append((bm.slot_ids(seq, g, root + node, root + node + 1)[0],
-                                  bm.slot_ids(seq, g, root + j, root + j + 1)[0]))
-        if moves:
-            self.cache.move_slots(moves)
+        is the group's own (a compressing policy keeps fewer slots than tokens, per layer).
+
+        Packed formats: the step's window counted only committed tokens, so the nodes are still in open pages'
+        full-precision rows (or a token-local codec's codes); the path moves bit for bit, the rejected nodes'
+        slots are zeroed, and the pages the path pushed out of the window are sealed now, from the same K/V
+        plain decoding would have written there (kvlab.engine.attention.leaving_window)."""
+        bm, moves, rejected, sealed = self.block_manager, [], [], set()
+        for g in range(len(bm.groups)):
+            end = bm.cached_lens([seq], g)[0]
+            root = end - num_nodes - 1
+            slots = bm.slot_ids(seq, g, root + 1, end)  # node i's slot: slots[i - 1]
+            moves += [(slots[node - 1], slots[j - 1]) for j, node in enumerate(nodes, start=1) if node != j]
+            rejected += slots[len(nodes):]
+            if self.cache.residual is not None:
+                sealed |= left_window(bm.block_tables([seq], g)[0], root + 1, root + 1 + len(nodes),
+                                      self.cache.residual, bm.block_size)
+        self.cache.move_tentative(moves)
+        self.cache.clear_slots(rejected)
+        self.cache.seal(sealed)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop `seq`'s last `num_tokens` slots in every group (rejected tentative tokens)."""
         self.block_manager.rollback(seq, num_tokens)
+
+
+def left_window(table: list[int], before: int, after: int, residual: int, block_size: int) -> set[int]:
+    """Pages of `table` that leave a residual window of `residual` tokens as its committed cache indices grow
+    from `before` to `after` (page j leaves once (j + 1) * bs <= length - residual)."""
+    first, last = max(0, before - residual) // block_size, max(0, after - residual) // block_size
+    return {p for p in table[first:last] if p >= 0}

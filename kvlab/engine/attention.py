@@ -66,7 +66,8 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
             seals.append(left_window(tables, lens, num_new_tokens, drafted, cache.residual, bm.block_size,
                                      cache.area.row))
         elif cache.residual is not None:
-            seals.append(leaving_window(tables, lens, num_new_tokens, cache.residual, bm.block_size))
+            held = [s.tree_slots(k) for s, k in zip(seqs, num_new_tokens)]
+            seals.append(leaving_window(tables, lens, num_new_tokens, cache.residual, bm.block_size, held))
     before = sealed_before(cache, bm, seals) if batch_invariant and cache.residual is not None else {}
     cache.begin_step(mappings, seals if cache.residual is not None else None)
     sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
@@ -86,14 +87,16 @@ def sealed_before(cache: KVCache, bm: BlockManager, seals: list[set[int]]) -> di
 
 
 def leaving_window(tables: list[list[int]], lens: list[int], num_new: list[int], residual: int,
-                   block_size: int) -> set[int]:
+                   block_size: int, held: list[int] | None = None) -> set[int]:
     """Pages whose tokens all became older than the newest `residual` this step (a quantised
     format's residual window, kvlab.cache.quant.page_store): page j of a table holds cache indices
-    [j * bs, (j + 1) * bs) and leaves once (j + 1) * bs <= len - residual."""
+    [j * bs, (j + 1) * bs) and leaves once (j + 1) * bs <= len - residual. `held[b]`: the last that many
+    of table b's slots are a token tree's tentative nodes, which the window does not count (their pages
+    stay open until the accepted path is in place: kvlab.cache.paged_kv.PagedKV.move_path seals them)."""
     pages = set()
-    for table, length, n in zip(tables, lens, num_new):
+    for b, (table, length, n) in enumerate(zip(tables, lens, num_new)):
         first = max(0, length - n - residual) // block_size
-        last = max(0, length - residual) // block_size
+        last = max(0, length - (held[b] if held else 0) - residual) // block_size
         pages.update(p for p in table[first:last] if p >= 0)
     return pages
 

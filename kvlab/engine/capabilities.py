@@ -123,11 +123,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.prefix_caching and not c.allocator_shares_cached,
             lambda c: f"enable_prefix_caching with allocator {c.allocator!r} is not supported yet; use "
                       f"allocator='paged'"),
-    Refusal("a token-tree draft with a packed format", "the accepted path's KV is moved slot by slot",
-            lambda c: c.moves_kv_slots and c.packed,
-            lambda c: f"draft {c.draft!r} with quant {c.quant!r}: the accepted path's KV is moved into place slot "
-                      f"by slot, which packed pages do not support yet; use an unpacked format (fp32, bf16, fp16, "
-                      f"or fp8 with scaling='fixed')"),
     Refusal("a format the kernel backend cannot read", "each format names the backends that read it",
             lambda c: c.backend not in c.backends,
             lambda c: f"quant={c.quant!r}: the {c.backend} kernel backend cannot read this cache format (it is "

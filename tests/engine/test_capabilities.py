@@ -28,7 +28,6 @@ CASES = {
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),
     "prefix caching with a non-paged allocator": (dict(allocator="contiguous", enable_prefix_caching=True),
                                                   dict(allocator="contiguous")),
-    "a token-tree draft with a packed format": (dict(draft="tree", quant="int4"), dict(draft="tree", quant="fp16")),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),

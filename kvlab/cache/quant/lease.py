@@ -75,10 +75,11 @@ class RowClaims:
         self.has_row, self.num_owners = has_row, num_owners
         self.window_rows = -(-residual // block_size) + 1  # most pages of one table open at once
 
-    def new_rows(self, table: list[int], length: int, n: int) -> int:
-        """Rows writing `n` tokens after the first `length` cache indices of `table` leases."""
+    def new_rows(self, table: list[int], length: int, n: int, held: int = 0) -> int:
+        """Rows writing `n` tokens after the first `length` cache indices of `table` leases; the last `held` of
+        them a token tree's tentative nodes, which the window does not count (their pages stay open)."""
         bs, end = self.block_size, length + n
-        first = max(length // bs, max(0, end - self.residual) // bs)
+        first = max(length // bs, max(0, end - held - self.residual) // bs)
         return sum(1 for j in range(first, (end - 1) // bs + 1)
                    if j >= len(table) or not self._keeps_row(table[j]))
 

@@ -249,6 +249,28 @@ class PageStore:
         for name, t in self.codec.encode(buf, valid).items():
             self.parts[name][pages] = t
 
+    # -- token trees: tentative slots, bit for bit (kvlab.cache.packed_layout.PackedLayout.move_tentative) --
+    def read_row_slots(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Tokens of open pages: rows [N], offsets [N] int64 -> [N, Hkv, D] in the residual dtype."""
+        return self.read_rows(rows)[torch.arange(rows.numel(), device=rows.device), offsets]
+
+    def write_row_slots(self, rows: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor | None) -> None:
+        """x [N, Hkv, D] (residual dtype; None: zeros) -> offsets [N] of residual rows [N]; the rows' other
+        tokens kept."""
+        unique, inv = torch.unique(rows, return_inverse=True)
+        buf = self.read_rows(unique)  # [R, bs, Hkv, D]
+        buf[inv, offsets] = 0 if x is None else x
+        self.write_rows(unique, buf)
+
+    def read_token_parts(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A token-local codec's parts of token slots [N] int64 -> name -> [N, ...]."""
+        return {name: t.view(-1, *t.shape[2:]).index_select(0, slots) for name, t in self.parts.items()}
+
+    def write_token_parts(self, slots: torch.Tensor, parts: dict[str, torch.Tensor] | None) -> None:
+        """name -> [N, ...] (None: zeros) -> token slots [N] int64 of a token-local codec's parts."""
+        for name, t in self.parts.items():
+            t.view(-1, *t.shape[2:])[slots] = 0 if parts is None else parts[name]
+
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.parts.values():
             t[dst] = t[src]
