@@ -135,6 +135,8 @@ def cache_args(args) -> dict:
         out.update(policy=name, policy_args=pargs)
     if args.quant:
         out["quant"] = args.quant
+    if args.batch_invariant:
+        out["batch_invariant"] = True
     return out
 
 
@@ -221,7 +223,7 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
         f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' "
         f"jobs at the same time, so absolute figures are noisy; ratios come from the same run.", "",
         f"Cache (plain decoding and every draft alike): policy {args.policy or 'full'}, format "
-        f"{args.quant or 'fp32'}. "
+        f"{args.quant or 'fp32'}{', batch-invariant mode' if args.batch_invariant else ''}. "
         f"Greedy, EOS ignored, {args.max_tokens} new tokens per request, drafts as named (g = num_tokens for "
         f"a chain, the depth for a tree), block size 16, {args.threads} torch threads; "
         + "; ".join(f"batch {b} = {args.batch1 if b == 1 else b} prompts {'one at a time' if b == 1 else 'together'}"
@@ -252,6 +254,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default=None, help="a compressing policy both runs use, name:key=value,... "
                                                   "(e.g. snapkv:compression_ratio=0.5): speculation over a compressed cache")
     p.add_argument("--quant", default=None, help="the cache format both runs use (e.g. int4)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="both runs in the batch-invariant mode (a rounding format's outputs then match exactly)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "speculation_smollm2"))
     return p.parse_args(argv)
