@@ -175,7 +175,7 @@ def decoding(seq_id: int, computed: int, drafts: int = 0):
                            draft_token_ids=[0] * drafts, draft_parents=[])
 
 
-def one_step(cache, table, keys, queries, start, drafts=0):
+def one_step(cache, table, keys, queries, start, drafts=0, backend="torch"):
     """One sequence computes cache indices start.. (its last token, then `drafts` drafts) in one step ->
     (the reduced plan, the table positions each query row selected, the page summaries each row scored
     [rows, pages, Hkv, 2D], the attention output)."""
@@ -186,12 +186,14 @@ def one_step(cache, table, keys, queries, start, drafts=0):
     cache.store(1, keys[start : start + n], keys[start : start + n], slots)
     reduced = step.plan(1, queries, plan, SCALE)
     bounds = step.bounds(1, step.rows(plan))
-    return reduced, step.selected[1], bounds, ops.run_paged_attention(queries, cache.k(1), cache.v(1), reduced, SCALE)
+    with ops.backend(backend):
+        out = ops.run_paged_attention(queries, cache.k(1), cache.v(1), reduced, SCALE)
+    return reduced, step.selected[1], bounds, out
 
 
-@pytest.mark.parametrize("quant", ["fp32", "int4"])
+@pytest.mark.parametrize("quant, backend", [("fp32", "torch"), ("int4", "torch"), ("fp32", "triton")])
 @pytest.mark.parametrize("rejected", [0, 1, 3])  # 1, 3: a rejected draft shares a page with accepted ones
-def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, rejected):
+def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, backend, rejected):
     """A verify step's 5 rows (cache indices 25..29, crossing into a fresh page) each select, and read, what
     plain decoding selects at its position, over summaries of the tokens up to it; after verification the
     summaries equal plain decoding's of the accepted tokens (a rejected draft leaves nothing behind)."""
@@ -207,13 +209,13 @@ def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, rejec
         write(cache, 1, table, keys[:n0], keys[:n0])
     want_sel, want_bounds, want_out, want_lens, after = [], [], [], [], {}
     for i in range(k + 1):
-        reduced, selected, bounds, out = one_step(plain, table, keys, queries[i : i + 1], n0 + i)
+        reduced, selected, bounds, out = one_step(plain, table, keys, queries[i : i + 1], n0 + i, backend=backend)
         want_sel.append(selected[0].tolist())
         want_bounds.append(bounds[0])  # [pages visible at n0 + i, Hkv, 2D]
         want_out.append(out[0])
         want_lens.append(reduced.seq_lens[0])
         after[i] = plain.sparse_read.summaries.bounds[1][table].clone()  # [9, Hkv, 2D]
-    reduced, selected, bounds, out = one_step(verify, table, keys, queries, n0, drafts=k)
+    reduced, selected, bounds, out = one_step(verify, table, keys, queries, n0, drafts=k, backend=backend)
     assert reduced.cu_seqlens_q == tuple(range(k + 2)) and list(reduced.seq_lens) == want_lens
     for i, want in enumerate(want_bounds):  # each row's summaries cover the tokens up to itself, no later draft
         assert torch.equal(bounds[i, : want.shape[0]], want)
