@@ -160,12 +160,13 @@ class SparseRead:
         self.summaries = PageSummaries(len(cache.groups[0].layers), cache.null_page, block_size, num_kv_heads,
                                        head_dim, dtype, device)
         self._tentative: torch.Tensor | None = None  # [Tp] packed tokens of this step's drafts
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (drafts' keys [Tp, Hkv, D], slots [Tp])
+        # layer -> (this step's drafts' keys [Tp, Hkv, D], their slots [Tp]), until `accept`
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._drafted: list[tuple[int, int]] = []  # (seq_id, drafts) of this step's verifying sequences
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.reads = 0  # (layer, sequence) decode reads that were reduced
+        self.reads = 0  # (layer, query row) decode reads that were reduced (a verify step: k + 1 rows a sequence)
         self.tokens_read = 0  # cache slots those reads covered
         self.tokens_cached = 0  # cache slots the same reads would have covered densely
         self.max_tokens_read = 0  # the most slots one reduced read covered

@@ -26,7 +26,7 @@ from kvlab.cache.kv_cache import KVCache  # noqa: E402
 from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
 from kvlab.policies.sparse_read import SparseRead, SparseStep  # noqa: E402
 from kvlab.testing import check_combination, check_policy  # noqa: E402
-from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, TINY  # noqa: E402
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, SPARSE_ARGS, TINY  # noqa: E402
 from kvlab.testing.combinations import shared_prompts  # noqa: E402
 
 HKV, G, D, BS = 2, 2, 16, 4
@@ -228,7 +228,7 @@ def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, backe
 
 
 # -- sparse reading meets formats, drafts and prefix hits (kvlab.testing.check_combination) ------------
-SPARSE = {"quest": {"budget": 32, "dense_layers": 0}, "rocketkv": POLICY_ARGS["rocketkv"]}  # every layer sparse
+SPARSE = {"quest": SPARSE_ARGS["quest"], "rocketkv": POLICY_ARGS["rocketkv"]}  # every layer sparse
 ROUNDING = "runs outside the contract: a rounding format under a changing schedule; "  # the only deviation allowed
 FORMATS = {"int4": {"quant": "int4"}, "int8": {"quant": "int8"}, "fp8_e4m3": {"quant": "fp8_e4m3"},
            "fp8_e5m2": {"quant": "fp8_e5m2"},
@@ -313,8 +313,9 @@ def test_packed_pages_keep_summaries_of_the_keys_as_computed_whether_open_or_sea
         write(cache, 0, table, keys[:n], keys[:n], start=done, chunk=3)
         done = n
         for j in range(n // BS):
-            torch.testing.assert_close(s.kmax(0)[table[j]], keys[j * BS : (j + 1) * BS].max(dim=0).values, atol=0, rtol=0)
-            torch.testing.assert_close(s.kmin(0)[table[j]], keys[j * BS : (j + 1) * BS].min(dim=0).values, atol=0, rtol=0)
+            page = keys[j * BS : (j + 1) * BS]
+            assert torch.equal(s.kmax(0)[table[j]], page.max(dim=0).values)
+            assert torch.equal(s.kmin(0)[table[j]], page.min(dim=0).values)
 
 
 # -- quest in the engine --------------------------------------------------------------------
