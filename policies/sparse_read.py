@@ -7,18 +7,35 @@ Three parts, kept apart from the dense path:
 - `SparseReadPolicy`, the capability a policy implements: how many pages a step reads and a score
   per page (higher = read) from the step's queries and the pages' key bounds.
 - `PageSummaries`: per page and per layer, the channel-wise max and min of its keys, kept as
-  `[num_pages + 2, Hkv, 2 * D]` (max | -min) per layer slot (pages indexed like the pool), updated
-  from `KVCache.store` as keys are written (a write at offset 0 starts the page afresh), copied with
-  copy-on-write copies, and recomputed exactly from the pool for the pages a compaction rewrote
-  (before the next step writes anything). They live beside the pool, outside its byte budget
-  (1 / block_size of the keys' size).
+  `[num_pages + 2, Hkv, 2 * D]` (max | -min) per layer slot (pages indexed like the pool). A summary
+  is defined in token time, over the keys of the tokens its page holds *as the model computed them*
+  (the keys handed to `KVCache.store`, before any format encodes them), for every format, packed
+  ones included: so it does not depend on when a packed page seals or leaves a residual window (an
+  early seal, a schedule's batching), only on the page's tokens. It is updated from `store` as keys
+  are written (a write at offset 0 starts the page afresh). Pages written otherwise are recomputed
+  from the pool (the stored keys, dequantised) before the next step writes anything: the pages a
+  compaction rewrote, and every copy-on-write copy, over the tokens the copy really holds (a prefix
+  hit that ends inside a page copies tokens after the match that the request then overwrites). For
+  a format that does not round, the stored keys are the computed ones, so a recomputed summary is the
+  one the writes would have built; for a rounding format they differ by its rounding, which the
+  declared deviation "a rounding format under a changing schedule" covers. They live beside the
+  pool, outside its byte budget (1 / block_size of the keys' size).
 - `SparseRead` / `SparseStep`: once per step, which batch rows are decoding (a sequence computing one
-  generated token; prefill chunks, scoring requests and extends stay dense); once per layer group
-  and step, their tables as tensors; once per layer, the policy's top-k pages and a reduced
-  `AttentionPlan` whose table holds only those pages, in order. The page holding the newest token
-  is always read and always comes last, so the reduced cache length is known on the host and both
-  backends run the reduced plan unchanged (RoPE is already in the stored keys; a decode query sees
-  every cache index before it, so positions inside the reduced table do not matter).
+  generated token, or verifying drafts: its last token plus a chain of k drafts; prefill chunks,
+  scoring requests and extends stay dense); once per layer group and step, their query rows and
+  tables as tensors; once per layer, the policy's top-k pages per query row and a reduced
+  `AttentionPlan` whose table holds only those pages, in order. The page holding the row's newest
+  token is always read and always comes last, so the reduced cache length is known on the host and
+  both backends run the reduced plan unchanged (RoPE is already in the stored keys; a decode query
+  sees every cache index before it, so positions inside the reduced table do not matter).
+- Verify rows: a verify step's k + 1 query rows each read exactly the pages plain decoding would
+  have selected at its position. Each row becomes a row of its own in the reduced plan (one query,
+  its own table and length); it scores the pages visible at its position with its own query, over
+  summaries of the tokens up to its own position: the persistent summaries hold only committed keys
+  (the drafts' keys are held aside as tentative, per layer) and each row folds in the tentative keys
+  of its own sequence up to itself. Verification then commits the accepted drafts' keys into the
+  summaries (`accept`); a rejected token leaves nothing behind. Token trees are refused (a node's
+  ancestors sit in slots plain decoding would place elsewhere, so its pages are not plain decoding's).
 
 Per-step index work is tensor work once per layer (no per-token Python); the per-group tables are
 built once per step. Per-KV-head selection is not possible here: a sequence's table is shared by
@@ -33,7 +50,6 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvlab.kernels.attention_plan import NULL_BLOCK, AttentionPlan, plan_paged_attention
-from kvlab.kernels.reference.store_kv import dequantize_ref
 
 
 class SparseReadPolicy(ABC):
@@ -96,14 +112,16 @@ class PageSummaries:
         return -self.bounds[slot][..., self.bounds[slot].shape[-1] // 2 :]
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies page src -> dst: the summaries follow."""
+        """Copy-on-write copies page src -> dst: the summaries follow, and each copy is recomputed from the
+        pool before the next step, over the tokens it holds (a partly matching prefix hit holds fewer
+        than its source: the source's summary still covers tokens after the match)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.bounds[0].device)
         dst = torch.tensor([d for _, d in pairs], device=src.device)
         for t in self.bounds:
             t.index_copy_(0, dst, t.index_select(0, src))
-        self.stale.update(d for s, d in pairs if s in self.stale)
+        self.stale.update(d for _, d in pairs)
 
     def moved(self, moves: list[tuple[int, int]]) -> None:
         """Compaction moved token slots src -> dst: their destination pages must be recomputed."""
@@ -113,19 +131,20 @@ class PageSummaries:
         """Per-head compaction wrote slots `dst` [m]: their pages must be recomputed."""
         self.stale.update((dst // self.block_size).unique().tolist())
 
-    def refresh(self, pages: list[int], counts: list[int], k_pool: list[torch.Tensor],
-                k_scales: list[torch.Tensor | None]) -> None:
-        """Recompute `pages` from the pool, each over its first `counts` tokens, in every layer slot."""
+    def refresh(self, pages: list[int], counts: list[int], read) -> None:
+        """Recompute `pages` over their first `counts` tokens in every layer slot, from the keys
+        `read(slot, token slots [N]) -> [N, Hkv, D]` returns (the pool's, dequantised)."""
         if not pages:
             return
-        dev = self.bounds[0].device
+        dev, bs = self.bounds[0].device, self.block_size
         p = torch.tensor(pages, dtype=torch.int64, device=dev)  # [P]
         n = torch.tensor(counts, dtype=torch.int64, device=dev)  # [P]
-        held = (torch.arange(self.block_size, device=dev)[None, :] < n[:, None])[:, :, None, None]  # [P, bs, 1, 1]
-        for s, (k, scale) in enumerate(zip(k_pool, k_scales)):
-            keys = dequantize_ref(k.index_select(0, p), scale, self.bounds[s].dtype)  # [P, bs, Hkv, D]
+        slots = (p[:, None] * bs + torch.arange(bs, device=dev)[None, :]).view(-1)  # [P * bs]
+        held = (torch.arange(bs, device=dev)[None, :] < n[:, None])[:, :, None, None]  # [P, bs, 1, 1]
+        for s, bounds in enumerate(self.bounds):
+            keys = read(s, slots).to(bounds.dtype).view(len(pages), bs, *bounds.shape[1:-1], -1)  # [P, bs, Hkv, D]
             both = torch.where(held, torch.cat([keys, -keys], dim=-1), -math.inf)  # [P, bs, Hkv, 2D]
-            self.bounds[s].index_copy_(0, p, both.amax(dim=1))
+            bounds.index_copy_(0, p, both.amax(dim=1).masked_fill(n[:, None, None] == 0, 0))
         self.stale.difference_update(pages)
 
 
@@ -140,10 +159,14 @@ class SparseRead:
         self.pages = policy.pages_read(block_size)
         self.summaries = PageSummaries(len(cache.groups[0].layers), cache.null_page, block_size, num_kv_heads,
                                        head_dim, dtype, device)
+        self._tentative: torch.Tensor | None = None  # [Tp] packed tokens of this step's drafts
+        # layer -> (this step's drafts' keys [Tp, Hkv, D], their slots [Tp]), until `accept`
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._drafted: list[tuple[int, int]] = []  # (seq_id, drafts) of this step's verifying sequences
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.reads = 0  # (layer, sequence) decode reads that were reduced
+        self.reads = 0  # (layer, query row) decode reads that were reduced (a verify step: k + 1 rows a sequence)
         self.tokens_read = 0  # cache slots those reads covered
         self.tokens_cached = 0  # cache slots the same reads would have covered densely
         self.max_tokens_read = 0  # the most slots one reduced read covered
@@ -154,6 +177,12 @@ class SparseRead:
 
     # -- the cache's hooks -------------------------------------------------------
     def stored(self, layer: int, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key [T, Hkv, D] written at slot_mapping [T]: committed keys enter the summaries, a verify step's
+        drafts' keys are held aside (tentative) until verification accepts them."""
+        tentative = self._tentative
+        if tentative is not None and tentative.numel():
+            self.pending[layer] = (key.index_select(0, tentative), slot_mapping.index_select(0, tentative))
+            slot_mapping = slot_mapping.index_fill(0, tentative, -1)
         self.summaries.update(self.cache.slot_of[layer], key, slot_mapping)
 
     def copied(self, pairs: list[tuple[int, int]]) -> None:
@@ -167,16 +196,40 @@ class SparseRead:
 
     # -- once per step -----------------------------------------------------------
     def begin_step(self, seqs: list, num_new_tokens: list[int], plans: list[AttentionPlan]) -> SparseStep | None:
-        """Before the step writes anything: recompute pages a compaction rewrote; then which rows decode."""
+        """Before the step writes anything: recompute pages a compaction or a copy rewrote; then which rows
+        decode (one generated token, or a verify step's last token and chain of drafts, whose drafts'
+        keys stay tentative until `accept`)."""
         if self.summaries.stale:
             self._refresh(plans)
-        decode = [not s.is_scoring and n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+        self._tentative, self.pending, self._drafted = None, {}, []
+        decode = [not s.is_scoring and s.num_computed_tokens >= s.num_prompt_tokens
+                  and n == 1 + len(s.draft_token_ids) and not s.draft_parents
                   for s, n in zip(seqs, num_new_tokens)]
+        tentative, start = [], 0
+        for s, n, d in zip(seqs, num_new_tokens, decode):
+            if d and n > 1:  # packed tokens start + 1 .. start + n - 1: the drafts
+                tentative += range(start + 1, start + n)
+                self._drafted.append((s.seq_id, n - 1))
+            start += n
+        if tentative:
+            self._tentative = torch.tensor(tentative, dtype=torch.int64, device=self.summaries.bounds[0].device)
         return SparseStep(self, decode) if any(decode) else None
+
+    def accept(self, rejected: dict[int, int]) -> None:
+        """Verification ran: each verified sequence's accepted drafts (its k drafts less `rejected[seq_id]`)
+        enter the summaries, as plain decoding would have written them; rejected ones leave nothing."""
+        if self._tentative is None:
+            return
+        keep = [i < k - rejected.get(seq_id, 0) for seq_id, k in self._drafted for i in range(k)]
+        keep_t = torch.tensor(keep, dtype=torch.bool, device=self._tentative.device)  # [Tp]
+        for layer, (key, slots) in self.pending.items():
+            self.summaries.update(self.cache.slot_of[layer], key[keep_t], slots[keep_t])
+        self._tentative, self.pending, self._drafted = None, {}, []
 
     def _refresh(self, plans: list[AttentionPlan]) -> None:
         """Recompute the stale pages the step's tables hold, over the slots cached before the step."""
         stale, bs, cache = self.summaries.stale, self.block_size, self.cache
+        dtype = self.summaries.bounds[0].dtype
         for g, plan in enumerate(plans):  # plan g is layer group g's: its pages hold its layers
             pages, counts, seen = [], [], set()
             q_lens = plan.q_lens
@@ -188,46 +241,95 @@ class SparseRead:
                         pages.append(int(page))
                         counts.append(max(0, min(bs, before - j * bs)))
             layers = cache.groups[g].layers  # in slot order
-            self.summaries.refresh(pages, counts, [cache.k(layer) for layer in layers],
-                                   [(cache.scales[layer] or (None, None))[0] for layer in layers])
+            self.summaries.refresh(pages, counts, lambda s, slots: cache.read_slots(layers[s], slots, dtype)[0])
 
 
 class _Rows:
-    """One layer group's sparse rows for one step (host lists and device tensors, built once)."""
+    """One layer group's sparse rows for one step (host lists and device tensors, built once).
 
-    def __init__(self, plan: AttentionPlan, decode: list[bool], pages: int, null_page: int):
+    A decoding sequence's query rows: one for a plain decode, k + 1 for a verify step (its last token,
+    then its drafts), row i at cache index `start + i` seeing the cache up to itself. In the reduced plan
+    each of a verify step's rows is a row of its own (one query, its own table); other sequences keep
+    their one row. A query row whose visible pages exceed the budget is sparse (`rows`)."""
+
+    def __init__(self, plan: AttentionPlan, decode: list[bool], pages: int, null_page: int,
+                 pending: torch.Tensor | None):
         bs, dev = plan.block_size, plan.device
         tables = [list(t) for t in plan.block_tables]
-        nb = [-(-n // bs) for n in plan.seq_lens]
-        self.rows = [b for b, d in enumerate(decode) if d and nb[b] > pages]
-        sparse = set(self.rows)
+        q_lens = plan.q_lens
+        # the reduced plan's rows: (batch row, query index or None for the whole chunk), seq_len, table
+        out, cu, lens = [], [0], []
+        for b, table in enumerate(tables):
+            if decode[b]:
+                start = plan.seq_lens[b] - q_lens[b]
+                for i in range(q_lens[b]):
+                    out.append((b, i))
+                    lens.append(start + i + 1)
+                    cu.append(cu[-1] + 1)
+            else:
+                out.append((b, None))
+                lens.append(plan.seq_lens[b])
+                cu.append(plan.cu_seqlens_q[b + 1])
+        nb = [-(-n // bs) for n in lens]
+        self.rows = [r for r, (b, i) in enumerate(out) if i is not None and nb[r] > pages]  # sparse, reduced rows
         self.empty = not self.rows
         if self.empty:
             return
-        width = max(nb[b] for b in self.rows)
-        entries = [[int(x) for x in tables[b][: nb[b]]] + [NULL_BLOCK] * (width - nb[b]) for b in self.rows]
+        sparse = set(self.rows)
+        width = max(nb[r] for r in self.rows)
+        entries = [[int(x) for x in tables[out[r][0]][: nb[r]]] + [NULL_BLOCK] * (width - nb[r]) for r in self.rows]
         table = torch.tensor(entries, dtype=torch.int64)  # [S, NB] the rows' tables (NULL past their end)
         j = torch.arange(width)[None, :]
-        n = torch.tensor([plan.seq_lens[b] for b in self.rows])[:, None]
-        counts = (n - j * bs).clamp(0, bs).masked_fill(table == NULL_BLOCK, 0)  # [S, NB] cached tokens per page
+        n = torch.tensor([lens[r] for r in self.rows])[:, None]
+        counts = (n - j * bs).clamp(0, bs).masked_fill(table == NULL_BLOCK, 0)  # [S, NB] tokens visible per page
         self.table = table.to(dev)
         self.summary_pages = table.masked_fill(table == NULL_BLOCK, null_page).to(dev)  # [S, NB]
         self.counts = counts.to(dev)
         self.empty_pages = (counts == 0).to(dev)  # [S, NB]
-        self.last = torch.tensor([nb[b] - 1 for b in self.rows], dtype=torch.int64, device=dev)  # [S]
-        self.q_index = torch.tensor([plan.cu_seqlens_q[b] for b in self.rows], dtype=torch.int64, device=dev)
+        self.last = torch.tensor([nb[r] - 1 for r in self.rows], dtype=torch.int64, device=dev)  # [S]
+        self.q_index = torch.tensor([cu[r] for r in self.rows], dtype=torch.int64, device=dev)
         self.row_index = torch.tensor(self.rows, dtype=torch.int64, device=dev)
+        self._fold(plan, decode, out, q_lens, width, pending, bs, dev)
         # the reduced plan: `pages` pages per sparse row, the newest (partial) one last
-        self.seq_lens = [(pages - 1) * bs + plan.seq_lens[b] - (nb[b] - 1) * bs if b in sparse else plan.seq_lens[b]
-                         for b in range(len(tables))]
-        self.width = max([pages] + [len(t) for b, t in enumerate(tables) if b not in sparse])
+        self.cu_seqlens_q = cu
+        self.seq_lens = [(pages - 1) * bs + lens[r] - (nb[r] - 1) * bs if r in sparse else lens[r]
+                         for r in range(len(out))]
+        full = [tables[b][: nb[r]] if i is not None else tables[b] for r, (b, i) in enumerate(out)]
+        self.width = max([pages] + [len(t) for r, t in enumerate(full) if r not in sparse])
         self.full = torch.tensor([t[: self.width] + [NULL_BLOCK] * (self.width - len(t[: self.width]))
-                                  for t in tables], dtype=torch.int64, device=dev)  # [B, W]
+                                  for t in full], dtype=torch.int64, device=dev)  # [B', W]
         self.pad = torch.full((len(self.rows), self.width - pages), NULL_BLOCK, dtype=torch.int64, device=dev)
-        self.every_row = self.rows == list(range(len(tables))) and self.width == pages
-        self.tokens_read = sum(self.seq_lens[b] for b in self.rows)
-        self.tokens_cached = sum(plan.seq_lens[b] for b in self.rows)
-        self.max_read = max(self.seq_lens[b] for b in self.rows)
+        self.every_row = self.rows == list(range(len(out))) and self.width == pages
+        self.tokens_read = sum(self.seq_lens[r] for r in self.rows)
+        self.tokens_cached = sum(lens[r] for r in self.rows)
+        self.max_read = max(self.seq_lens[r] for r in self.rows)
+
+    def _fold(self, plan, decode, out, q_lens, width, pending, bs, dev) -> None:
+        """Verify rows: which summary entries hold no committed key yet (`uncommitted` [S, NB]), and which
+        tentative keys each sparse row folds in (`fold_src` [P] into the step's drafts, `fold_dst` [P]
+        into the flattened [S * NB]): its own sequence's drafts up to itself."""
+        self.fold_src = self.fold_dst = self.uncommitted = None
+        if pending is None:
+            return
+        offset, first = {}, 0  # batch row -> index of its first draft among the step's tentative tokens
+        for b, n in enumerate(q_lens):
+            if decode[b] and n > 1:  # the order of SparseRead.begin_step's tentative tokens
+                offset[b] = first
+                first += n - 1
+        src, dst, committed = [], [], []
+        for s, r in enumerate(self.rows):
+            b, i = out[r]
+            start = plan.seq_lens[b] - q_lens[b]
+            committed.append(start + 1)  # the sequence's last token (row 0) is committed; its drafts are not
+            for t in range(1, i + 1):
+                src.append(offset[b] + t - 1)
+                dst.append(s * width + (start + t) // bs)
+        if not src:
+            return
+        self.fold_src = torch.tensor(src, dtype=torch.int64, device=dev)
+        self.fold_dst = torch.tensor(dst, dtype=torch.int64, device=dev)
+        c = torch.tensor(committed)[:, None]
+        self.uncommitted = (torch.arange(width)[None, :] * bs >= c).to(dev)  # [S, NB]
 
 
 class SparseStep:
@@ -242,11 +344,25 @@ class SparseStep:
     def rows(self, plan: AttentionPlan) -> _Rows:
         key = id(plan)
         if key not in self._rows:
-            self._rows[key] = _Rows(plan, self.decode, self.reader.pages, self.reader.summaries.null_page)
+            self._rows[key] = _Rows(plan, self.decode, self.reader.pages, self.reader.summaries.null_page,
+                                    self.reader._tentative)
         return self._rows[key]
 
+    def bounds(self, layer: int, rows: _Rows) -> torch.Tensor:
+        """[S, NB, Hkv, 2D] each sparse row's page summaries, over the tokens up to its own position."""
+        reader = self.reader
+        bounds = reader.summaries.bounds[reader.cache.slot_of[layer]][rows.summary_pages]  # [S, NB, Hkv, 2D]
+        if rows.fold_src is None:
+            return bounds
+        key = reader.pending[layer][0].index_select(0, rows.fold_src)  # [P, Hkv, D] tentative keys folded in
+        both = torch.cat([key, -key], dim=-1).to(bounds.dtype)  # [P, Hkv, 2D]
+        bounds = bounds.masked_fill(rows.uncommitted[:, :, None, None], -math.inf)
+        flat = bounds.view(-1, *bounds.shape[2:])  # [S * NB, Hkv, 2D]
+        flat.scatter_reduce_(0, rows.fold_dst[:, None, None].expand(both.shape), both, "amax")
+        return bounds.masked_fill(rows.empty_pages[:, :, None, None], 0)
+
     def plan(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float) -> AttentionPlan:
-        """q [T, Hq, D] this step's queries of `layer`; returns `plan` with each decoding row's table
+        """q [T, Hq, D] this step's queries of `layer`; returns `plan` with each decoding query row's table
         reduced to the pages the policy selects (rows that fit in the budget read everything)."""
         if plan.sliding_window is not None or plan.tree_mask is not None or not self.reader.policy.reads_sparsely(layer):
             return plan  # a window already bounds the read; trees (speculation) are refused at engine build
@@ -254,7 +370,7 @@ class SparseStep:
         if rows.empty:
             return plan
         reader, k = self.reader, self.reader.pages
-        bounds = reader.summaries.bounds[reader.cache.slot_of[layer]][rows.summary_pages]  # [S, NB, Hkv, 2D]
+        bounds = self.bounds(layer, rows)  # [S, NB, Hkv, 2D]
         scores = reader.policy.page_scores(layer, q.index_select(0, rows.q_index), bounds, rows.counts, scale)
         scores = scores.float().masked_fill(rows.empty_pages, -math.inf)  # [S, NB]
         scores.scatter_(1, rows.last[:, None], math.inf)  # the newest page is always read, and comes last
@@ -264,12 +380,12 @@ class SparseStep:
         if rows.every_row:  # all rows decode past the budget: the reduced rows are the table
             tables = reduced
         else:
-            tables = rows.full.index_copy(0, rows.row_index, torch.cat([reduced, rows.pad], dim=1))  # [B, W]
+            tables = rows.full.index_copy(0, rows.row_index, torch.cat([reduced, rows.pad], dim=1))  # [B', W]
         reader.reads += len(rows.rows)
         reader.tokens_read += rows.tokens_read
         reader.tokens_cached += rows.tokens_cached
         reader.max_tokens_read = max(reader.max_tokens_read, rows.max_read)
-        return plan_paged_attention(plan.cu_seqlens_q, rows.seq_lens, tables, plan.block_size, None, plan.device,
+        return plan_paged_attention(rows.cu_seqlens_q, rows.seq_lens, tables, plan.block_size, None, plan.device,
                                     null_block=plan.null_block)
 
 

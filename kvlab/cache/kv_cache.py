@@ -132,7 +132,7 @@ class KVCache:
         if head is not None:
             key, value = key[:, head : head + 1], value[:, head : head + 1]  # [T, 1, D]
         self.layout.store(self.slot_of[layer], group, key, value, slot_mapping, scales)
-        if self.sparse_read is not None and self.layout.summarised:
+        if self.sparse_read is not None:  # page key summaries, from the keys as computed (every format)
             self.sparse_read.stored(layer, key, slot_mapping)
 
     def head_scales(self, layer: int, head: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

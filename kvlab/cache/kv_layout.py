@@ -16,7 +16,7 @@ are plain ints, token slots `p * block_size + offset`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,6 @@ class PageLayout(ABC):
     v: list[torch.Tensor | PageStore]
     area: ResidualArea | None = None  # which pages are open in a residual window (None: no window)
     codecs: tuple[PageCodec, PageCodec] | None = None  # (key, value) codecs of packed pages (None: element-wise)
-    summarised: ClassVar[bool] = True  # whether sparse reading keeps page key summaries of its stores
 
     @property
     def residual(self) -> int | None:

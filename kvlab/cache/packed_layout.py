@@ -35,8 +35,6 @@ def pages_per_row(codecs: tuple, block_size: int, heads: int, head_dim: int, res
 
 
 class PackedLayout(PageLayout):
-    summarised = False  # packed pages keep no key summaries (the engine refuses sparse reading on them)
-
     def __init__(self, quant: QuantFormat, per_group: int, num_blocks: int, block_size: int, heads: int,
                  head_dim: int, compute_dtype: torch.dtype, device: torch.device | str,
                  residual_rows: int | None = None, lessor=None):

@@ -148,15 +148,17 @@ def kept_tokens(policy, groups: list[LayerGroup]) -> Callable[[int, int], int] |
 def chunk_end(compressor, cache: KVCache) -> Callable[[Sequence], int | None]:
     """The scheduler's stop_at: the computed-token count a chunk of a sequence must not pass (None: any),
     its next compression point (compression points are in token time); under sparse reading, the
-    prompt's end, then one token a step (a decode row reads the pages the policy selects, a longer
-    chunk reads every page densely). So a recompute rebuilds what the first pass did."""
+    prompt's end, then one token a step, with its drafts when it has some (a decode or verify row reads
+    the pages the policy selects, a longer chunk reads every page densely). So a recompute rebuilds what
+    the first pass did."""
     def stop_at(seq: Sequence) -> int | None:
         point = compressor.next_point(seq) if compressor else None
         kept = compressor.stats_point(seq) if compressor else None  # where a prefix's attention mass is kept
         point = kept if point is None or (kept is not None and kept < point) else point
         if cache.sparse_read is not None and not seq.is_scoring:
             done = seq.num_computed_tokens
-            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1
+            drafts = len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0  # a verify step
+            read = seq.num_prompt_tokens if done < seq.num_prompt_tokens else done + 1 + drafts
             point = read if point is None else min(point, read)
         return point
     return stop_at

@@ -91,22 +91,19 @@ class Refusal:
 
 
 REFUSED: list[Refusal] = [
-    Refusal("sparse reading with a packed format", "page summaries are not kept for packed pages",
-            lambda c: c.sparse_read and c.packed,
-            lambda c: f"policy {c.policy!r} reads selected pages through key summaries that packed formats do not "
-                      f"keep yet; use quant {c.quant!r} without {c.policy!r}, or an unpacked format (fp32, bf16, "
-                      f"fp16, or fp8_e4m3 / fp8_e5m2 with quant_args {{'scaling': 'fixed'}})"),
     Refusal("sparse reading with accumulated attention statistics",
             "the statistics of a reduced read are not collected",
             lambda c: c.sparse_read and c.accumulated_attention,
             lambda c: f"policy {c.policy!r} reads selected pages at decode and asks for attention statistics; the "
                       f"statistics of a reduced read are not collected yet",
             NotImplementedError),
-    Refusal("sparse reading with a draft", "a verify step reads several queries a sequence, the sparse read one",
-            lambda c: c.sparse_read and c.draft is not None,
-            lambda c: f"policy {c.policy!r} reads selected pages at decode; speculative decoding "
-                      f"(draft={c.draft!r}) verifies several tokens a step, which the sparse read does not handle "
-                      f"yet: leave draft=None",
+    Refusal("sparse reading with a token-tree draft",
+            "a tree node's ancestors sit in slots plain decoding would place elsewhere",
+            lambda c: c.sparse_read and c.moves_kv_slots,
+            lambda c: f"policy {c.policy!r} reads selected pages at decode; a token tree (draft={c.draft!r}) "
+                      f"computes each node after its ancestors' tentative slots, not at the cache indices plain "
+                      f"decoding gives them, so its rows cannot read the pages plain decoding would select; use "
+                      f"a chain draft (ngram, model, layerskip) or draft=None",
             NotImplementedError),
     Refusal("a compressing policy with an allocator that cannot compact", "compaction rewrites block tables",
             lambda c: c.compacts and not c.allocator_compacts,
@@ -155,10 +152,6 @@ DEVIATIONS: list[Deviation] = [
               "when it was admitted (a second pass, or a preempted request readmitted onto its own cached pages, "
               "may keep more); prefix_keep_shared=False copies a hit's pages and compresses as without caching",
               lambda c: c.keeps_shared_pages and c.compacts, ("prefix hits", "schedule")),
-    Deviation("sparse reading with a hit that ends inside a page",
-              "a partly matching cached page is copied with its key summary, which still covers the tokens after "
-              "the match that the request then overwrites, so the pages a query selects can depend on the hit",
-              lambda c: c.sparse_read and c.token_granular_prefix, ("prefix hits", "schedule")),
     Deviation("a rounding format under a changing schedule",
               "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "
               "(codes, scales, a narrower dtype) can turn into a different stored value: outputs may change with "

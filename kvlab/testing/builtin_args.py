@@ -28,7 +28,7 @@ DRAFT_ARGS = {  # the drafts that run on a tiny model (the cross-vocabulary ones
 }
 
 SPARSE_ARGS = {  # policies that read selected pages at decode without compacting
-    "quest": {"budget": 32},
+    "quest": {"budget": 32, "dense_layers": 0},  # every layer sparse (the default leaves the tiny models' 2 dense)
 }
 
 RATIO_ARGS = {  # every compressing policy at kvpress's ratio 0.5 (rocketkv: a budget, tokens read per decode step)

@@ -168,9 +168,13 @@ def test_smollm2_generates_with_each_format(load_reference):
     assert texts["int4"].split()[:1] == texts["fp32"].split()[:1]
 
 
-def test_features_not_supported_with_packed_formats_yet_fail_before_the_model_loads():
-    with pytest.raises(ValueError, match="packed formats do not keep yet"):
-        LLM("random:llama-tiny", policy="quest", policy_args={"budget": 64}, quant="int4", quant_args={"group_size": 8})
+def test_sparse_reading_runs_on_packed_pages():
+    """Packed pages keep the page key summaries sparse reading needs (kvlab.policies.sparse_read; its combination
+    checks: tests/policies/test_sparse_read.py)."""
+    llm = LLM("random:llama-tiny", policy="quest", policy_args={"budget": 64, "dense_layers": 0}, quant="int4",
+              quant_args={"group_size": 8}, block_size=16, kv_cache_memory="1MiB")
+    llm.generate([list(range(5, 105))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert llm.stats()["sparse_reads"] > 0
 
 
 @pytest.mark.parametrize("qargs", [{"group_size": 8, "residual": 16}, {"group_size": 8, "residual": 0}])

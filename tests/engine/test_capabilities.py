@@ -16,10 +16,8 @@ MISSING = "does-not-exist"  # a model that cannot load: an error about the combi
 
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
-    "sparse reading with a packed format": (dict(policy="quest", policy_args={"budget": 64}, quant="int4"),
-                                            dict(policy="quest", policy_args={"budget": 64}, quant="fp16")),
-    "sparse reading with a draft": (dict(policy="quest", policy_args={"budget": 64}, draft="ngram"),
-                                    dict(policy="quest", policy_args={"budget": 64})),
+    "sparse reading with a token-tree draft": (dict(policy="quest", policy_args={"budget": 64}, draft="tree"),
+                                               dict(policy="quest", policy_args={"budget": 64}, draft="ngram")),
     "a compressing policy with an allocator that cannot compact": (
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, allocator="test-cannot-compact"),
         dict(policy="full", allocator="test-cannot-compact")),
@@ -105,7 +103,7 @@ def test_the_design_note_lists_the_deviations():
 def test_the_sparse_read_with_statistics_refusal_applies_only_to_that_pair():
     import dataclasses
 
-    base = _caps(CASES["sparse reading with a draft"][1])
+    base = _caps(CASES["sparse reading with a token-tree draft"][1])
     r = refusal("sparse reading with accumulated attention statistics")
     assert not r.applies(base)
     assert r.applies(dataclasses.replace(base, accumulated_attention=True))

@@ -13,7 +13,8 @@ from kvlab.testing import check_combination
 from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-COMPACTING = sorted(p for p in POLICY_ARGS if p != "rocketkv")  # rocketkv also reads sparsely: refused with a draft
+COMPACTING = sorted(p for p in POLICY_ARGS if p != "rocketkv")  # rocketkv reads sparsely: its drafts in the next file
+# (tests/policies/test_sparse_read.py) and below
 
 
 def combo(draft: str | None = None, policy: str = "full", **kw) -> dict:
@@ -58,8 +59,13 @@ def test_declared_deviations_run_and_say_so():
     assert got == "runs outside the contract: a rounding format under a changing schedule; differed: schedule"
 
 
-def test_a_draft_with_sparse_reading_is_still_refused():
-    assert check_combination(**combo("ngram", "rocketkv")).startswith("refused: policy 'rocketkv' reads selected pages")
+def test_a_chain_draft_over_sparse_reading_is_exact_and_a_tree_is_refused():
+    """Each verify row reads the pages plain decoding selects at its position (kvlab.policies.sparse_read); a
+    token tree's rows sit where plain decoding would not put them: refused (tests/policies/test_sparse_read.py
+    runs the rest of the matrix)."""
+    assert check_combination(**combo("model", "rocketkv")) == "exact"
+    assert check_combination(**combo("tree", "rocketkv")).startswith("refused: policy 'rocketkv' reads selected "
+                                                                    "pages at decode; a token tree")
 
 
 def test_the_suite_catches_a_draft_that_changes_the_output(monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +25,9 @@ from kvlab.kernels import ops  # noqa: E402
 from kvlab.cache.kv_cache import KVCache  # noqa: E402
 from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
 from kvlab.policies.sparse_read import SparseRead, SparseStep  # noqa: E402
-from kvlab.testing import check_policy  # noqa: E402
+from kvlab.testing import check_combination, check_policy  # noqa: E402
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, SPARSE_ARGS, TINY  # noqa: E402
+from kvlab.testing.combinations import shared_prompts  # noqa: E402
 
 HKV, G, D, BS = 2, 2, 16, 4
 SCALE = D ** -0.5
@@ -64,9 +67,9 @@ def masked_attention(q, keys, values, visible):
 
 
 # -- the seam, on a hand-built pool -----------------------------------------------------
-def make_cache(budget: int):
+def make_cache(budget: int, quant: str = "fp32"):
     groups = equal_groups([None, None])  # one group of 2 layers
-    cache = KVCache(groups, 64, BS, HKV, D, QUANT_FORMATS.build("fp32"), torch.float32, "cpu")
+    cache = KVCache(groups, 64, BS, HKV, D, QUANT_FORMATS.build(quant), torch.float32, "cpu")
     policy = POLICIES.build("quest", budget=budget, dense_layers=0)
     cache.sparse_read = SparseRead(policy, cache, BS, HKV, D, torch.float32, "cpu")
     return cache
@@ -155,13 +158,164 @@ def test_page_summaries_are_exact_after_writes_copies_and_compaction():
     assert not s.bounds[0][s.null_page].any()  # the null page reads as zero
     # compaction keeps cache indices 0, 5, 6, 9 -> 0..3 (all in page 7); the page is refreshed before the next step
     cache.move_slots([(3 * BS + 1, 7 * BS + 1), (3 * BS + 2, 7 * BS + 2), (9 * BS + 1, 7 * BS + 3)])
-    assert s.stale == {7}
-    plan = plan_paged_attention([0, 1], [5], [[7, 3]], BS, None, "cpu")  # one token written this step at index 4
+    assert s.stale == {7, 11}  # the copy too: it is recomputed over the tokens it holds
+    # two tables: [7, 3] writes one token at index 4; [7, 3, 11] (a hit ending inside page 11, after index 8)
+    plan = plan_paged_attention([0, 1, 2], [5, 10], [[7, 3], [7, 3, 11]], BS, None, "cpu")
     cache.sparse_read.begin_step([], [], [plan])
     kept = keys[[0, 5, 6, 9]]
     torch.testing.assert_close(s.kmin(0)[7], kept.min(dim=0).values)
     torch.testing.assert_close(s.kmax(0)[7], kept.max(dim=0).values)
+    torch.testing.assert_close(s.kmax(0)[11], keys[8])  # the copy holds index 8 only, not 9
     assert not s.stale
+
+
+def decoding(seq_id: int, computed: int, drafts: int = 0):
+    """A sequence past its 8-token prompt, as `SparseRead.begin_step` reads it."""
+    return SimpleNamespace(seq_id=seq_id, is_scoring=False, num_computed_tokens=computed, num_prompt_tokens=8,
+                           draft_token_ids=[0] * drafts, draft_parents=[])
+
+
+def one_step(cache, table, keys, queries, start, drafts=0, backend="torch"):
+    """One sequence computes cache indices start.. (its last token, then `drafts` drafts) in one step ->
+    (the reduced plan, the table positions each query row selected, the page summaries each row scored
+    [rows, pages, Hkv, 2D], the attention output)."""
+    n = 1 + drafts
+    plan = plan_paged_attention([0, n], [start + n], [table], BS, None, "cpu", null_block=cache.null_page)
+    step = cache.sparse_read.begin_step([decoding(7, start, drafts)], [n], [plan])
+    slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(start, start + n)])
+    cache.store(1, keys[start : start + n], keys[start : start + n], slots)
+    reduced = step.plan(1, queries, plan, SCALE)
+    bounds = step.bounds(1, step.rows(plan))
+    with ops.backend(backend):
+        out = ops.run_paged_attention(queries, cache.k(1), cache.v(1), reduced, SCALE)
+    return reduced, step.selected[1], bounds, out
+
+
+@pytest.mark.parametrize("quant, backend", [("fp32", "torch"), ("int4", "torch"), ("fp32", "triton")])
+@pytest.mark.parametrize("rejected", [0, 1, 3])  # 1, 3: a rejected draft shares a page with accepted ones
+def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, backend, rejected):
+    """A verify step's 5 rows (cache indices 25..29, crossing into a fresh page) each select, and read, what
+    plain decoding selects at its position, over summaries of the tokens up to it; after verification the
+    summaries equal plain decoding's of the accepted tokens (a rejected draft leaves nothing behind)."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randperm(60, generator=g)[:9].tolist()
+    n0, k = 25, 4
+    keys = torch.randn(n0 + k + 1, HKV, D, generator=g) * torch.rand(n0 + k + 1, 1, 1, generator=g) * 3
+    queries = torch.randn(k + 1, HKV * G, D, generator=g) * 3
+    plain, verify = make_cache(4 * BS, quant), make_cache(4 * BS, quant)
+    for cache in (plain, verify):
+        cache.store(1, torch.randn(64 * BS, HKV, D, generator=g) * 9, torch.zeros(64 * BS, HKV, D),
+                    torch.arange(64 * BS))  # stale content in every page: a fresh page must not show it
+        write(cache, 1, table, keys[:n0], keys[:n0])
+    want_sel, want_bounds, want_out, want_lens, after = [], [], [], [], {}
+    for i in range(k + 1):
+        reduced, selected, bounds, out = one_step(plain, table, keys, queries[i : i + 1], n0 + i, backend=backend)
+        want_sel.append(selected[0].tolist())
+        want_bounds.append(bounds[0])  # [pages visible at n0 + i, Hkv, 2D]
+        want_out.append(out[0])
+        want_lens.append(reduced.seq_lens[0])
+        after[i] = plain.sparse_read.summaries.bounds[1][table].clone()  # [9, Hkv, 2D]
+    reduced, selected, bounds, out = one_step(verify, table, keys, queries, n0, drafts=k, backend=backend)
+    assert reduced.cu_seqlens_q == tuple(range(k + 2)) and list(reduced.seq_lens) == want_lens
+    for i, want in enumerate(want_bounds):  # each row's summaries cover the tokens up to itself, no later draft
+        assert torch.equal(bounds[i, : want.shape[0]], want)
+    assert selected.tolist() == want_sel
+    assert len({tuple(s) for s in want_sel}) > 1  # the rows select differently: a per-row selection matters
+    torch.testing.assert_close(out, torch.stack(want_out), atol=1e-5, rtol=1e-5)
+    verify.sparse_read.accept({7: rejected})
+    held = (n0 + k - rejected) // BS + 1  # the pages holding committed tokens (the rest keep stale content)
+    assert torch.equal(verify.sparse_read.summaries.bounds[1][table[:held]], after[k - rejected][:held])
+
+
+# -- sparse reading meets formats, drafts and prefix hits (kvlab.testing.check_combination) ------------
+SPARSE = {"quest": SPARSE_ARGS["quest"], "rocketkv": POLICY_ARGS["rocketkv"]}  # every layer sparse
+ROUNDING = "runs outside the contract: a rounding format under a changing schedule; "  # the only deviation allowed
+FORMATS = {"int4": {"quant": "int4"}, "int8": {"quant": "int8"}, "fp8_e4m3": {"quant": "fp8_e4m3"},
+           "fp8_e5m2": {"quant": "fp8_e5m2"},
+           "fp8_e4m3 calibrated": {"quant": "fp8_e4m3", "quant_args": {"scaling": "fixed", "scale": 0.5}},
+           "fp8_e5m2 calibrated": {"quant": "fp8_e5m2", "quant_args": {"scaling": "fixed", "scale": 0.5}}}
+MEETS = {"none": {},  # radix: a compacting policy (rocketkv) copies a hit's pages (keeping them whole is a deviation)
+         "radix": {"enable_prefix_caching": True, "prefix_cache": "radix", "prefix_keep_shared": False},
+         **{d: {"draft": d, "draft_args": DRAFT_ARGS[d]} for d in ("ngram", "model", "layerskip")}}
+
+
+def sparse_combo(policy: str, *parts: str, **kw) -> dict:
+    args = {"policy": policy, "policy_args": SPARSE[policy], **kw}
+    for part in parts:
+        args.update(FORMATS.get(part) or MEETS[part])
+    return args
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_verify_steps_run_under_sparse_reading_and_reject_some_drafts():
+    """What the checks below rely on: drafts are verified (the scheduler lets a decoding sequence's drafts
+    through under sparse reading), some are rejected, and verify rows are reduced reads."""
+    llm = LLM(TINY, kv_cache_memory="4MiB", **sparse_combo("quest", "model"))
+    batch, _ = shared_prompts(llm.model_config.vocab_size)
+    llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    stats = llm.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"] and stats["sparse_reads"] > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sparse_reading_with_a_draft_and_radix_hits_is_exact():
+    """Verify rows read what decode rows read, and a radix hit ending inside a page copies a page whose summary
+    is recomputed over the tokens it holds (no longer a declared deviation)."""
+    assert check_combination(**sparse_combo("quest", "layerskip", "radix")) == "exact"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sparse_reading_with_radix_hits_on_copied_pages_is_exact():  # the composition matrix's one that differed
+    assert check_combination(**sparse_combo("rocketkv", "radix")) == "exact"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sparse_reading_with_a_packed_format_and_a_draft_runs_under_the_rounding_deviation_only():
+    assert check_combination(**sparse_combo("quest", "int8", "ngram")).startswith(ROUNDING)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.heavy
+@pytest.mark.parametrize("meets", sorted(MEETS))
+@pytest.mark.parametrize("policy", sorted(SPARSE))
+def test_sparse_reading_meets_drafts_and_prefix_hits_exactly(policy, meets):
+    assert check_combination(**sparse_combo(policy, meets)) == "exact"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.heavy
+@pytest.mark.parametrize("meets", sorted(MEETS))
+@pytest.mark.parametrize("quant", sorted(FORMATS))
+@pytest.mark.parametrize("policy", sorted(SPARSE))
+def test_sparse_reading_with_every_rounding_format_runs_under_the_rounding_deviation_only(policy, quant, meets):
+    """Packed formats keep page summaries (of the keys as computed) now; rounding formats stay under their
+    declared deviation (a batch-invariant mode would make them exact): any other check that fails raises."""
+    assert check_combination(**sparse_combo(policy, quant, meets)).startswith(ROUNDING)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int2", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_packed_pages_keep_summaries_of_the_keys_as_computed_whether_open_or_sealed(quant):
+    """A packed page's summary is over its keys as the model computed them, before and after the page seals
+    (int4 / int2: it leaves the residual window), so it never depends on when that happens."""
+    g = torch.Generator().manual_seed(2)
+    cache = make_cache(2 * BS, quant)
+    s = cache.sparse_read.summaries
+    table = [5, 9, 2, 14, 30, 7, 11, 40, 3, 22]
+    keys = torch.randn(10 * BS, HKV, D, generator=g)
+    done = 0
+    for n in (2 * BS + 1, 10 * BS, None):  # early pages open (in a residual window), then sealed
+        if n is None:  # a step whose pages 0..7 leave the window: they seal, their summaries stay
+            assert cache.area is None or any(cache.area.row(p) >= 0 for p in table[:8])  # open ones, to seal
+            cache.begin_step([torch.full((1,), -1)], [set(table[:8])])
+            cache.plan_writes()
+            assert cache.area is None or all(cache.area.row(p) < 0 for p in table[:8])
+            n = done
+        write(cache, 0, table, keys[:n], keys[:n], start=done, chunk=3)
+        done = n
+        for j in range(n // BS):
+            page = keys[j * BS : (j + 1) * BS]
+            assert torch.equal(s.kmax(0)[table[j]], page.max(dim=0).values)
+            assert torch.equal(s.kmin(0)[table[j]], page.min(dim=0).values)
 
 
 # -- quest in the engine --------------------------------------------------------------------
@@ -298,6 +452,7 @@ def test_bad_sparse_policy_input_fails_before_the_model_loads(name, args, messag
         LLM("does-not-exist", policy=name, policy_args=args, block_size=16)
 
 
-def test_sparse_policy_with_speculation_is_refused():
-    with pytest.raises(NotImplementedError, match="speculative decoding"):  # before the (missing) model loads
-        LLM("does-not-exist", policy="quest", policy_args={"budget": 64}, draft="ngram", block_size=16)
+def test_sparse_policy_with_a_token_tree_is_refused():
+    with pytest.raises(NotImplementedError, match="token tree"):  # before the (missing) model loads
+        LLM("does-not-exist", policy="quest", policy_args={"budget": 64}, draft="tree",
+            draft_args={"layers": 1, "width": 2, "depth": 2}, block_size=16)
