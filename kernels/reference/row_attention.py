@@ -24,6 +24,8 @@ Slow by design (a call per query row): the oracle of the mode, and its CPU imple
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,7 @@ def row_attention(
     before=None,  # open_before(...) of the pages this step seals, taken before the store
     new: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's (key, value) [T, Hkv, D] (with `residual`)
     residual_dtype: torch.dtype | None = None,  # dtype of the residual rows (full-precision reads round to it)
+    base: AttentionPlan | None = None,  # the step's plan, when `plan` is a sparse read's reduction of it
 ) -> torch.Tensor:
     """Attention output [T, Hq, D], each row alone (see the module docstring)."""
     out = q.new_empty(q.shape)
@@ -66,19 +69,18 @@ def row_attention(
         Hkv = k_now.shape[1]
         g = Hq // Hkv
         if residual is not None:
-            k_full, v_full = full_precision(k_now, v_now, part, plan, before, new, residual_dtype)
+            where = [in_sequence(part, plan, base or plan, r, b) for r, b in enumerate(part.seq_rows)]
+            k_full, v_full = full_precision(k_now, v_now, part, bs, where, before, new, residual_dtype)
             k_now, v_now = quantised(k_cache, k_now, part, bs), quantised(v_cache, v_now, part, bs)
         for b_local, b in enumerate(part.seq_rows):
-            q_len = int(part.q_lens[b_local])
-            start = plan.seq_lens[b] - q_len  # cache index of the sequence's first new token
             token0 = plan.cu_seqlens_q[b]
-            for qi in range(q_len):
+            for qi in range(int(part.q_lens[b_local])):
                 visible = part.mask[b_local, 0, qi].nonzero().view(-1)  # [n] gathered positions it reads
                 k, v = k_now[b_local][:, visible], v_now[b_local][:, visible]  # [Hkv, n, D]
                 if residual is not None:
-                    index = part.key_index[b_local, visible]
-                    c = start + qi  # the row's own cache index
-                    stored = ((index // bs + 1) * bs <= c + 1 - residual)[None, :, None]  # left the window at c
+                    keys, start, first_token = where[b_local]
+                    c = start + token0 + qi - first_token  # the row's own cache index in its sequence
+                    stored = ((keys[visible] // bs + 1) * bs <= c + 1 - residual)[None, :, None]  # left the window at c
                     k = torch.where(stored, k, k_full[b_local][:, visible])
                     v = torch.where(stored, v, v_full[b_local][:, visible])
                 qr = q[token0 + qi].view(1, Hkv, g, D)
@@ -110,26 +112,47 @@ def quantised(store, gathered: torch.Tensor, part, block_size: int) -> torch.Ten
     return out.permute(0, 3, 1, 2, 4).reshape(B, Hkv, L, D)
 
 
-def full_precision(k_now, v_now, part, plan: AttentionPlan, before, new, residual_dtype):
-    """The part's gathered K/V [B, Hkv, L, D] as full-precision reads see them: the pages this step seals
-    as they were before it (`before`) and the step's own keys as a residual row returns them."""
-    k_full, v_full = k_now.clone(), v_now.clone()
+def in_sequence(part, plan: AttentionPlan, base: AttentionPlan, b_local: int, b: int):
+    """Where row `b_local` of a part of `plan` sits in its sequence of the step's `base` plan (the same plan,
+    or the one a sparse read reduced, whose tables hold only the selected pages and whose verify rows are rows
+    of their own) -> (cache index in the sequence of each gathered key [L] (-1: pads), the cache index of the
+    sequence's first new token, its first packed query token)."""
     bs = plan.block_size
+    if base is plan:
+        return part.key_index[b_local], plan.seq_lens[b] - int(part.q_lens[b_local]), plan.cu_seqlens_q[b]
+    token = plan.cu_seqlens_q[b]
+    s = bisect.bisect_right(base.cu_seqlens_q, token) - 1  # the base sequence of the row's query
+    table = base.block_tables[s]
+    table = table.tolist() if isinstance(table, torch.Tensor) else list(table)
+    position = {page: j for j, page in enumerate(table) if page >= 0}
+    keys = part.key_index[b_local].clone()
+    offsets = torch.arange(bs, device=keys.device)
+    for col, page in enumerate(part.blocks[b_local].tolist()):
+        cols = keys[col * bs:(col + 1) * bs]
+        j = position.get(page)
+        cols.copy_(torch.where(cols >= 0, j * bs + offsets, -1) if j is not None else torch.full_like(cols, -1))
+    q_len = base.cu_seqlens_q[s + 1] - base.cu_seqlens_q[s]
+    return keys, base.seq_lens[s] - q_len, base.cu_seqlens_q[s]
+
+
+def full_precision(k_now, v_now, part, bs: int, where: list, before, new, residual_dtype):
+    """The part's gathered K/V [B, Hkv, L, D] as full-precision reads see them: the pages this step seals
+    as they were before it (`before`) and the step's own keys as a residual row returns them (`where`: each
+    row's in_sequence())."""
+    k_full, v_full = k_now.clone(), v_now.clone()
     if before is not None:
         pages, k_old, v_old = before
-        where = {p: i for i, p in enumerate(pages.tolist())}
+        at = {p: i for i, p in enumerate(pages.tolist())}
         for b_local, blocks in enumerate(part.blocks.tolist()):
             for col, page in enumerate(blocks):
-                i = where.get(page)
+                i = at.get(page)
                 if i is not None and part.key_index[b_local, col * bs] >= 0:
                     k_full[b_local][:, col * bs:(col + 1) * bs] = k_old[i].transpose(0, 1)
                     v_full[b_local][:, col * bs:(col + 1) * bs] = v_old[i].transpose(0, 1)
-    for b_local, b in enumerate(part.seq_rows):
-        start = plan.seq_lens[b] - int(part.q_lens[b_local])
-        keys = part.key_index[b_local]  # [L] cache index of each gathered key (-1: pads, released)
-        fresh = (keys >= start).nonzero().view(-1)
+    for b_local, (keys, start, first_token) in enumerate(where):
+        fresh = (keys >= start).nonzero().view(-1)  # this step's keys
         if fresh.numel():
-            tokens = plan.cu_seqlens_q[b] + keys[fresh] - start
+            tokens = first_token + keys[fresh] - start
             for full, x in ((k_full, new[0]), (v_full, new[1])):
                 full[b_local][:, fresh] = x.index_select(0, tokens).float().to(residual_dtype).to(
                     full.dtype).transpose(0, 1)

@@ -156,7 +156,8 @@ def paged_attention_forward(
         qh = q if head is None else q.unflatten(1, (key.shape[1], -1))[:, head]  # [T, Hq or g, D]
         plan = meta.plans[group] if meta.sparse is None else meta.sparse.plan(layer, qh, meta.plans[group], scaling)
         if meta.batch_invariant:
-            outs.append(rows_alone(meta, layer, head, qh, key, value, plan, scaling, softcap))
+            base = meta.plans[group]  # the step's plan (`plan` may be a sparse read's reduction of it)
+            outs.append(rows_alone(meta, layer, head, qh, key, value, plan, scaling, softcap, base))
             continue
         out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), plan, scaling,
                                       softcap, *meta.cache.head_scales(layer, head),
@@ -168,7 +169,7 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def rows_alone(meta: StepMetadata, layer: int, head: int | None, q, key, value, plan, scaling, softcap):
+def rows_alone(meta: StepMetadata, layer: int, head: int | None, q, key, value, plan, scaling, softcap, base):
     """The batch-invariant attention of one layer (and KV head): each query row alone, in token time."""
     cache = meta.cache
     if head is not None:
@@ -176,7 +177,8 @@ def rows_alone(meta: StepMetadata, layer: int, head: int | None, q, key, value, 
     residual, scales = cache.residual, cache.head_scales(layer, head)
     out = row_attention(q, cache.k(layer), cache.v(layer), plan, scaling, softcap, *scales,
                         residual=residual, before=meta.before.get(layer), new=(key, value),
-                        residual_dtype=None if residual is None else cache.quant.residual_storage_dtype(q.dtype))
+                        residual_dtype=None if residual is None else cache.quant.residual_storage_dtype(q.dtype),
+                        base=base)
     if meta.collect_stats:  # the policy's statistics from the reference (their sums are not made row-invariant)
         from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
 

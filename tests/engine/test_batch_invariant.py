@@ -18,7 +18,7 @@ from kvlab.engine.batch_invariant import TILE, BatchInvariantMode, tiled_linear
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.llm import LLM
 from kvlab.sampling_params import SamplingParams
-from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, TINY
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, SPARSE_ARGS, TINY
 from kvlab.testing.combinations import check_combination, verdict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,8 +127,10 @@ def test_without_the_mode_the_same_runs_differ():
     assert len(differing) >= 2, differing
 
 
-def test_a_compressing_policy_keeps_the_bits():
-    args = dict(quant="int4", policy="snapkv", policy_args=POLICY_ARGS["snapkv"], batch_invariant=True)
+@pytest.mark.parametrize("policy", ["snapkv", "quest"])
+def test_a_compressing_or_sparse_reading_policy_keeps_the_bits(policy):
+    policy_args = POLICY_ARGS[policy] if policy in POLICY_ARGS else SPARSE_ARGS[policy]
+    args = dict(quant="int4", policy=policy, policy_args=policy_args, batch_invariant=True)
     _, base = run({}, **args)
     for schedule in ({"max_num_batched_tokens": 16}, {"draft": "ngram", "draft_args": DRAFT_ARGS["ngram"]}):
         common, differ = same_bits(base, run(dict(schedule), **args)[1])
@@ -176,3 +178,24 @@ def test_a_residual_window_under_prefix_hits_is_the_declared_deviation():
     assert [d.name for d in deviating] == ["prefix caching with a residual window"]
     assert verdict(quant="int4", batch_invariant=True)[1] == []
     assert verdict(quant="int4", quant_args={"residual": 0}, batch_invariant=True, enable_prefix_caching=True)[1] == []
+
+
+def test_a_sparse_reads_rows_are_placed_at_their_cache_indices_in_the_sequence():
+    """A sparse read's reduced plan holds only the selected pages: the token-time window rule must use each key's
+    cache index in its sequence, not its place in the reduced table."""
+    from kvlab.kernels.attention_plan import plan_paged_attention
+    from kvlab.kernels.reference.attention_parts import plan_parts
+    from kvlab.kernels.reference.row_attention import in_sequence
+
+    base = plan_paged_attention([0, 2, 3], [60, 20], [[10, 11, 12, 13], [20, 21]], 16, None, torch.device("cpu"))
+    reduced = plan_paged_attention([0, 1, 2, 3], [27, 28, 20], [[11, 13], [11, 13], [20, 21]], 16, None,
+                                   torch.device("cpu"))  # the first sequence's two verify rows, rows of their own
+    part = plan_parts(reduced)[0]
+    where = {b: in_sequence(part, reduced, base, r, b) for r, b in enumerate(part.seq_rows)}
+    keys, start, first = where[1]
+    assert (start, first) == (58, 0)
+    assert keys[:16].tolist() == list(range(16, 32)) and keys[16:28].tolist() == list(range(48, 60))
+    keys, start, first = where[2]
+    assert (start, first) == (19, 2) and keys[:20].tolist() == list(range(20))
+    same = in_sequence(plan_parts(base)[0], base, base, 0, plan_parts(base)[0].seq_rows[0])
+    assert same[1] in (58, 19)
