@@ -233,9 +233,10 @@ def test_smollm2_greedy_with_ngram_matches_plain(fresh_model):
     assert llm.stats()["spec_mean_accepted_length"] > 1.5
 
 
-def test_speculation_with_features_it_does_not_support_yet_fails_before_any_work():
-    with pytest.raises(ValueError, match="compressing during decode"):
-        LLM("random:llama-tiny", draft="ngram", policy="snapkv", policy_args={"budget": 8, "when": "decode"})
+def test_speculation_runs_with_decode_time_compression_and_parallel_samples():
+    """Both were refused once (tests/speculation/test_decode_compression.py and test_composition.py test them exact)."""
+    llm = LLM("random:llama-tiny", draft="ngram", policy="snapkv", policy_args={"budget": 8, "when": "decode"})
+    assert len(llm.generate([[5, 6, 7] * 8], SamplingParams(max_tokens=6))[0].token_ids) == 6
     llm = LLM("random:llama-tiny", draft="ngram")  # parallel samples with a draft run (tests/engine/test_composition.py)
     out = llm.generate([[5, 6, 7] * 20], SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=1))[0]
     assert len(out.outputs) == 2 and all(len(c.token_ids) == 3 for c in out.outputs)
