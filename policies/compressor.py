@@ -15,9 +15,11 @@ it has computed, never by steps, so a recompute after a preemption or a failed s
 the first pass did; the scheduler ends every chunk at the next point, `Compressor.next_point`):
 - `when="prefill"`: once, when the last token of its prompt is computed (a scoring request: of its
   context);
-- `when="chunk"`: after every prefill chunk, the observation window being the chunk's last queries
-  (those of earlier chunks are dropped once a compression has run: their keys may be gone); a chunk
-  never runs past the prompt's end;
+- `when="chunk"`: every `chunk` prompt tokens (tokens C, 2C, ... for C = `chunk`, the engine's
+  `max_prefill_chunk`, 512 when unset: never the step's token budget, so a budget that cuts a chunk in two
+  steps compresses where one step would) and at the prompt's end, the observation window being the last
+  queries before the point (those of earlier chunks are dropped once a compression has run: their keys
+  may be gone);
 - `when="decode"`: at the prompt's end, then each time `every` more tokens are computed (tokens
   p + every, p + 2 every, ... for a prompt of p: after every `every` decode steps when decoding one
   token a step, and at the same tokens when a recompute computes them in chunks).
@@ -45,10 +47,13 @@ from kvlab.policies.prefix_mass import PrefixMass
 from kvlab.policies.verify_rows import add_rows, attention_scales, kept_queries, row_mass
 from kvlab.sequence import Sequence
 
+DEFAULT_CHUNK = 512  # with when="chunk" and no max_prefill_chunk: prompt tokens between compression points
+
 
 class Compressor:
-    def __init__(self, policy: Policy, kv: PagedKV, compute_dtype: torch.dtype):
+    def __init__(self, policy: Policy, kv: PagedKV, compute_dtype: torch.dtype, chunk: int = DEFAULT_CHUNK):
         self.policy = policy
+        self.chunk = chunk  # with when="chunk": prompt tokens between compression points
         self.kv = kv  # compaction goes through it (tables and tensors together); reads through bm and cache
         self.bm = kv.block_manager
         self.cache = kv.cache
@@ -94,6 +99,8 @@ class Compressor:
 
     def _point(self, prompt_end: int, done: int) -> int | None:
         if done < prompt_end:
+            if self.policy.when == "chunk":
+                return min(prompt_end, (done // self.chunk + 1) * self.chunk)
             return prompt_end
         if self.policy.when != "decode":
             return None
@@ -110,17 +117,15 @@ class Compressor:
             return 0
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
         prompt_end = _prompt_end(seq)
-        if start < prompt_end:  # with when="chunk" every chunk is compressed: the window ends with the chunk
-            window_end = min(end, prompt_end) if self.policy.when == "chunk" else prompt_end
+        if start < prompt_end:  # the window ends at the next point (the prompt's end, or with when="chunk" the chunk's)
+            window_end = self._point(prompt_end, start)
             return max(0, end - max(start, window_end - w))
         return min(num_new_tokens, w) if self.policy.when == "decode" else 0
 
     def due(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step? (Every prefill
-        chunk with when="chunk"; otherwise when the chunk reaches the sequence's next compression point.)"""
+        """Will `seq` be compressed after computing `num_new_tokens` more tokens this step? (When the chunk
+        reaches the sequence's next compression point.)"""
         start = seq.num_computed_tokens
-        if start < _prompt_end(seq) and self.policy.when == "chunk":
-            return True
         point = self.next_point(seq)
         return point is not None and start + num_new_tokens >= point
 
@@ -163,7 +168,8 @@ class Compressor:
         if seq.num_computed_tokens - n == self.bm.num_hit_tokens(seq):  # a first chunk (also after a
             # preemption, or after a prefix-cache hit): start afresh
             self._queries.pop(seq.seq_id, None)
-        elif self.policy.when == "chunk" and seq.num_computed_tokens - n < _prompt_end(seq):
+        elif self.policy.when == "chunk" and (start := seq.num_computed_tokens - n) < _prompt_end(seq) \
+                and start % self.chunk == 0:
             self._queries.pop(seq.seq_id, None)  # the last chunk was compressed: its window is stale
         for layer, q in queries:
             if q.shape[0]:

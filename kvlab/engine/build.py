@@ -27,7 +27,7 @@ from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.kernels import ops
 from kvlab.models import LoadedModel, load_model
-from kvlab.policies.compressor import Compressor
+from kvlab.policies.compressor import DEFAULT_CHUNK, Compressor
 from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
 from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sequence import Sequence
@@ -252,6 +252,8 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple
                                 PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args),
                                 config.block_size, salt, config.prefix_match)
     max_chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
+    if policy.compresses and policy.when == "chunk":  # a prompt holds its compressed past and one chunk
+        max_chunk = max(max_chunk, compression_chunk(config))
     bm = BlockManager(groups, allocator, num_blocks, config.block_size, max_model_len, max_chunk, index, match,
                       kept_tokens(policy, groups))
     cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, quant, dtype, config.device,
@@ -271,6 +273,12 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple
     return bm, cache, per_block
 
 
+def compression_chunk(config) -> int:
+    """Prompt tokens between a when="chunk" policy's compression points: `max_prefill_chunk`, else 512 (never
+    the step budget, which would make what a prompt keeps depend on it)."""
+    return config.max_prefill_chunk or DEFAULT_CHUNK
+
+
 def build(config, loaded: LoadedModel | None = None) -> Parts:
     """Every component of an engine for `config`, each made once: plugins resolved and checked before the
     model loads, the model, the page pool, the scheduler, the runner, the compressor and the speculator."""
@@ -283,7 +291,8 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
     bm, cache, per_block = page_pool(config, allocator, policy, quant, mc, max_model_len)
     kv = PagedKV(bm, cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
     scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
-    compressor = Compressor(policy, kv, getattr(torch, config.dtype)) if policy.compresses else None
+    compressor = Compressor(policy, kv, getattr(torch, config.dtype), compression_chunk(config)) \
+        if policy.compresses else None
     if compressor:
         compressor.bind(model)  # binds the policy too
     if compressor or cache.sparse_read is not None:

@@ -120,7 +120,8 @@ CASES = [  # (model, policy, policy_args): per-head lists, one list per layer, p
 @pytest.mark.parametrize("model, name, args", CASES, ids=[f"{m.split(':')[1]}-{n}-{i}" for i, (m, n, _) in
                                                           enumerate(CASES)])
 def test_compaction_holds_the_gather_of_the_kept_indices(model, name, args):
-    llm = LLM(model, policy=name, policy_args=args, max_num_batched_tokens=32, block_size=8)
+    chunk = {"max_prefill_chunk": 32} if args.get("when") == "chunk" else {}  # chunks in token time
+    llm = LLM(model, policy=name, policy_args=args, max_num_batched_tokens=32, block_size=8, **chunk)
     records = record_compressions(llm)
     llm.generate(prompts(), SamplingParams(max_tokens=12, ignore_eos=True))
     check_against_gather(records, llm.model_config.num_key_value_heads)

@@ -194,3 +194,12 @@ def test_a_token_tree_over_packed_pages_changes_nothing_the_draft_could(quant, e
     checks may differ, as they do for the same format without a draft."""
     got = check_combination(**tree_over(quant, extra))
     assert got.startswith(ROUNDING) and "draft" not in got[len(ROUNDING):], got
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_per_chunk_compression_does_not_depend_on_the_step_budget(policy):
+    """when="chunk" compresses every max_prefill_chunk prompt tokens (512 unset), in token time: the suite's
+    32-token step budget cuts the prompts into other steps and the kept tokens stay the same."""
+    args = {**POLICY_ARGS[policy], "when": "chunk"}
+    assert check_combination(policy=policy, policy_args=args) == "exact"
+    assert check_combination(policy=policy, policy_args=args, max_prefill_chunk=24) == "exact"

@@ -82,7 +82,8 @@ def test_policies_keep_the_positions_of_what_they_keep():
     p = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
     for when, compressions in (("prefill", 1), ("chunk", 3), ("decode", 1 + 7 // 2)):
         llm = LLM("random:llama-tiny", loaded=copy.deepcopy(loaded), policy="knorm",
-                  policy_args={"budget": 40, "when": when, "every": 2}, max_num_batched_tokens=32)
+                  policy_args={"budget": 40, "when": when, "every": 2}, max_num_batched_tokens=32,
+                  max_prefill_chunk=32)
         steps = _record_steps_and_kept(llm)
         out = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         tokens, cache, cached, done = p + out, DynamicCache(), 0, 0
@@ -144,7 +145,7 @@ def test_per_chunk_compression_applies_the_ratio_to_the_whole_prompt_so_far(name
     kvpress keeps of a prompt of that length, int(n * 0.25) = 8, 16, 22 -- not 8, int(40 * 0.25) = 10, ...
     as compressing what the last chunk left would give."""
     args = {"compression_ratio": 0.75, "when": "chunk", **({"window_size": 8} if name == "snapkv" else {})}
-    llm = LLM("random:llama-tiny", policy=name, policy_args=args, max_num_batched_tokens=32)
+    llm = LLM("random:llama-tiny", policy=name, policy_args=args, max_prefill_chunk=32)
     engine, bm = llm.engine, llm.engine.block_manager
     engine.add_request(list(range(3, 93)), SamplingParams(max_tokens=2, ignore_eos=True))
     seq = engine.scheduler.waiting[0]
