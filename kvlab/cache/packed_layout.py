@@ -157,8 +157,33 @@ class PackedLayout(PageLayout):
         for store in self._stores():
             store.copy_pages(src, dst)
         if self.area is not None:
+            pairs = self._hand_over_rows(pairs)
             self.release_unheld()  # before taking rows: a freed page's leased row is not taken twice
             self._copy_rows(pairs)
+
+    def _hand_over_rows(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """An open source no table holds any more (its sequence freed it, e.g. preempted, after the copy was
+        planned) gives its residual row to its copy, after encoding it into its own parts (so a prefix-cached
+        page stays findable, sealed): the copy stays open in full precision, as it would have had a row of its
+        own, instead of being sealed with the source by `release_unheld`. Returns the pairs left to copy."""
+        unheld = self.area.unheld()
+        handed, rest = {}, []
+        for s, d in pairs:
+            if s in unheld and s not in handed:
+                handed[s] = d
+            else:
+                rest.append((s, d))
+        if not handed:
+            return pairs
+        device = self.k[0].device
+        pages_t = torch.tensor(list(handed), dtype=torch.int64, device=device)
+        rows_t = torch.tensor([unheld[p] for p in handed], dtype=torch.int64, device=device)
+        for store in self._stores():
+            store.seal_rows(pages_t, rows_t)
+        for s, d in handed.items():
+            self.area.seal(d)
+            self.area.hand_over(s, d)
+        return rest
 
     def _copy_rows(self, pairs: list[tuple[int, int]]) -> None:
         """Each copy of an open page takes a row and gets the source's; with no free row it is sealed

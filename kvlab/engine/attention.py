@@ -37,7 +37,8 @@ class StepMetadata:
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
     sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
     batch_invariant: bool = False  # every query row attends alone (kvlab.engine.batch_invariant)
-    before: dict[int, tuple] = field(default_factory=dict)  # batch-invariant, residual window: layer -> the pages
+    before: dict[tuple[int, int], tuple] = field(default_factory=dict)  # batch-invariant, residual window: (layer,
+    # group) -> the pages
     # the step seals as they were before it (kernels/reference/row_attention.py open_before)
 
 
@@ -75,14 +76,14 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
                         batch_invariant=batch_invariant, before=before)
 
 
-def sealed_before(cache: KVCache, bm: BlockManager, seals: list[set[int]]) -> dict[int, tuple]:
-    """layer -> the open pages the step seals (left the residual window), read before any layer's store
+def sealed_before(cache: KVCache, bm: BlockManager, seals: list[set[int]]) -> dict[tuple[int, int], tuple]:
+    """(layer, group) -> the open pages the step seals (left the residual window), read before any layer's store
     seals them: what the batch-invariant rows before the seal point read in full precision."""
     before = {}
     for g, group in enumerate(bm.groups):
         pages = {p for p in seals[g] if cache.area.row(p) >= 0}
         for layer in group.layers:
-            before[layer] = open_before(cache.k(layer), cache.v(layer), pages, cache.compute_dtype)
+            before[layer, g] = open_before(cache.k(layer), cache.v(layer), pages, cache.compute_dtype)
     return before
 
 
@@ -157,7 +158,7 @@ def paged_attention_forward(
         plan = meta.plans[group] if meta.sparse is None else meta.sparse.plan(layer, qh, meta.plans[group], scaling)
         if meta.batch_invariant:
             base = meta.plans[group]  # the step's plan (`plan` may be a sparse read's reduction of it)
-            outs.append(rows_alone(meta, layer, head, qh, key, value, plan, scaling, softcap, base))
+            outs.append(rows_alone(meta, layer, group, head, qh, key, value, plan, scaling, softcap, base))
             continue
         out = ops.run_paged_attention(qh, meta.cache.k(layer), meta.cache.v(layer), plan, scaling,
                                       softcap, *meta.cache.head_scales(layer, head),
@@ -169,14 +170,15 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def rows_alone(meta: StepMetadata, layer: int, head: int | None, q, key, value, plan, scaling, softcap, base):
+def rows_alone(meta: StepMetadata, layer: int, group: int, head: int | None, q, key, value, plan, scaling, softcap,
+               base):
     """The batch-invariant attention of one layer (and KV head): each query row alone, in token time."""
     cache = meta.cache
     if head is not None:
         key, value = key[:, head : head + 1], value[:, head : head + 1]
     residual, scales = cache.residual, cache.head_scales(layer, head)
     out = row_attention(q, cache.k(layer), cache.v(layer), plan, scaling, softcap, *scales,
-                        residual=residual, before=meta.before.get(layer), new=(key, value),
+                        residual=residual, before=meta.before.get((layer, group)), new=(key, value),
                         residual_dtype=None if residual is None else cache.quant.residual_storage_dtype(q.dtype),
                         base=base)
     if meta.collect_stats:  # the policy's statistics from the reference (their sums are not made row-invariant)

@@ -98,3 +98,22 @@ def test_a_pool_short_of_free_pages_answers_as_a_large_one(quant, pages):
     gap = max(abs(a - b) for x, y in zip(runs[small][1], runs[large][1]) for a, b in zip(x, y))
     assert gap < 1e-4, gap
     assert runs[small][2] > 0 or runs[small][3] < runs[large][3], "the small pool was never short: the test is vacuous"
+
+
+def test_a_page_a_pending_copy_reads_is_held_and_its_copy_takes_its_row_over():
+    """A forked sample's copy-on-write copy of an open page is planned when the scheduler appends to it; if the
+    page's other holder is freed (preempted) before the copy is applied, the page must not be sealed under the
+    copy (it would be copied as codes: the copy then reads quantised what it held in full precision)."""
+    from kvlab.cache.allocators.paged import PagedAllocator
+    from kvlab.cache.quant.lease import PageLessor
+
+    a = PagedAllocator()
+    a.setup(8, 4)
+    a.allocate(0, 4, 4)
+    lessor = PageLessor(a, 4)
+    page = a.block_table(0)[0]
+    a.pending_copies.append((page, 5))
+    a.free(0)
+    assert lessor.held()(page)  # a pending copy still reads it
+    a.take_copies()
+    assert not lessor.held()(page)

@@ -141,7 +141,9 @@ def test_a_compressing_or_sparse_reading_policy_keeps_the_bits(policy):
     dict(quant="int4", draft="ngram", draft_args=DRAFT_ARGS["ngram"]),
     dict(quant="int2", draft="model", draft_args=DRAFT_ARGS["model"]),
     dict(quant="bf16", draft="tree", draft_args=DRAFT_ARGS["tree"]),
-], ids=["int4-ngram", "int2-model", "bf16-tree"])
+    dict(quant="int2", n=2),  # a fork's copy of an open page whose other holder was preempted keeps its row
+    dict(quant="int2", policy="adakv", policy_args=POLICY_ARGS["adakv"]),  # per-head tables: a snapshot per head
+], ids=["int4-ngram", "int2-model", "bf16-tree", "int2-n2", "int2-adakv"])
 def test_the_combination_suite_finds_rounding_formats_exact(engine_args):
     assert check_combination(batch_invariant=True, **engine_args) == "exact"
 

@@ -50,11 +50,14 @@ class PageLessor:
         self.keys.discard(key)
 
     def held(self) -> Callable[[int], bool]:
-        """page -> whether a sequence's table holds it (leases excluded)."""
+        """page -> whether a sequence's table holds it (leases excluded), or a pending copy-on-write copy
+        still reads it (its sequence may have been freed since: the copy, applied before the next forward,
+        takes the row over, kvlab.cache.packed_layout.PackedLayout.copy_blocks)."""
         a = self.allocator
+        sources = {s for s, _ in getattr(a, "pending_copies", ())}
         if hasattr(a, "num_owners"):
-            return lambda page: a.num_owners(page) > 0
-        pages = {p for key, table in a.tables.items() if key >= 0 for p in table}
+            return lambda page: a.num_owners(page) > 0 or page in sources
+        pages = {p for key, table in a.tables.items() if key >= 0 for p in table} | sources
         return pages.__contains__
 
 

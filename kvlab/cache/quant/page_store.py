@@ -94,6 +94,13 @@ class ResidualArea:
         else:
             self._release(row)
 
+    def hand_over(self, page: int, to: int) -> None:
+        """Open `page`'s row becomes open `to`'s (lease and all); `page` is left sealed."""
+        row = self._open.pop(page)
+        self.row_of[page] = -1
+        self._open[to] = row
+        self.row_of[to] = row
+
     def _release(self, row: int) -> None:
         key = self._keys.pop(row, None)
         if key is not None:
