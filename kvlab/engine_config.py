@@ -91,6 +91,11 @@ class EngineConfig:
     # window read in token time): a rounding format's outputs stop depending on batching, chunking, preemption and
     # drafts, at a cost in speed (kvlab/engine/batch_invariant.py); off by default
     batch_invariant: bool = False
+    # with a compressing policy: keep a finished request's compressed cache (its tables, the policy's state) for a
+    # request whose prompt starts with its prompt + output (the conversation's next turn), which then computes only
+    # its new tokens; outputs then depend on the hit (kvlab/cache/kept_turns.py); off by default
+    reuse_compressed: bool = False
+    reuse_compressed_max_turns: int = 64  # most finished turns kept (the least recently used goes first, or under pool pressure)
 
     def __post_init__(self) -> None:
         for name in PLUGIN_ARGS:
@@ -108,7 +113,7 @@ class EngineConfig:
             raise EngineOptionError("kv_cache_memory", str(exc)) from None
         if self.kv_cache_memory <= 0:
             raise EngineOptionError("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "reuse_compressed_max_turns"):
             if getattr(self, name) < 1:
                 raise EngineOptionError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:

@@ -33,6 +33,11 @@ prefix cache: `BlockManager.protected_slots`) are protected: the policy keeps th
 applies to the rest, so they stay in place, shared. Pages a sequence computed itself are compressed
 as without caching: the allocator copies their survivors into fresh pages and leaves the cached
 originals findable. The block manager stops registering a sequence once it was compacted.
+
+With kept compressed turns (EngineConfig.reuse_compressed, kvlab/cache/kept_turns.py) a policy ranking keys
+by accumulated attention goes on accumulating after a sequence's last compression, so that when it
+finishes its totals for the kept keys (`turn_state`) are kept with its tables; a request admitted onto
+them starts from those totals (`seed_turn`), as a prefix hit starts from a prefix's (`_seed`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Compressor:
         if self.bm.prefix_cache is not None and policy.needs_attention_stats:
             self._keep_prefix_mass()
         self.scales: dict[int, tuple[float | None, float | None]] = {}  # layer -> (scale, softcap), from `bind`
+        self.keep_turns = False  # kept compressed turns: accumulate to the end, `turn_state` at finish
         self.reset_stats()
 
     def bind(self, model: torch.nn.Module) -> None:
@@ -155,7 +161,7 @@ class Compressor:
             if is_due:
                 self.compress(seq, self._queries.get(seq.seq_id, {}), self._mass.get(seq.seq_id, {}))
             if self.next_point(seq) is None:  # compressed for the last time: nothing here is read again
-                self.forget(seq)
+                self._done(seq)
 
     def _reached(self, seq: Sequence, n: int) -> bool:
         """Did the `n` tokens `seq` computed this step (its kept rows) reach its compression point?"""
@@ -184,8 +190,8 @@ class Compressor:
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
                 self._mass.pop(seq.seq_id, None)
-            if self._point(_prompt_end(seq), seq.num_computed_tokens - n) is None:  # compressed for good
-                continue
+            if self._point(_prompt_end(seq), seq.num_computed_tokens - n) is None and not self.keep_turns:
+                continue  # compressed for good (a kept turn's totals are kept to its end)
             mass = self._mass.setdefault(seq.seq_id, {})
             for g in self.groups:
                 layer = self.bm.groups[g].layers[0]
@@ -322,6 +328,27 @@ class Compressor:
             self._queries[child.seq_id] = dict(self._queries[parent.seq_id])
         if parent.seq_id in self._mass:
             self._mass[child.seq_id] = dict(self._mass[parent.seq_id])
+
+    def _done(self, seq: Sequence) -> None:
+        """`seq` was compressed for the last time: its state goes, but for the totals a kept turn keeps."""
+        if self.keep_turns:
+            self._queries.pop(seq.seq_id, None)
+        else:
+            self.forget(seq)
+
+    def turn_state(self, seq: Sequence) -> dict[int, torch.Tensor] | None:
+        """What a request continuing finished `seq` from its kept tables needs: the accumulated attention of every
+        kept key (layer -> [cached, Hkv]), if it covers every layer's cache; else None (nothing to keep)."""
+        mass = self._mass.get(seq.seq_id)
+        if not mass or set(mass) != set(self.layers):
+            return None
+        lens = {self.bm.groups[g].layers[0]: self.bm.cached_lens([seq], g)[0] for g in self.groups}
+        return dict(mass) if all(m.shape[0] == lens[layer] for layer, m in mass.items()) else None
+
+    def seed_turn(self, seq: Sequence, state: dict[int, torch.Tensor] | None) -> None:
+        """`seq` was admitted onto a kept turn: its running totals start from the turn's (never written in place)."""
+        if state:
+            self._mass[seq.seq_id] = dict(state)
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished, was aborted, preempted or put back after a failed step: drop its state."""

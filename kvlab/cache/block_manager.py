@@ -11,6 +11,9 @@ A sequence has a logical length (its tokens; RoPE positions, owned by the schedu
 group, a number of cached slots with the table that maps them to pages. The two agree until a
 policy compacts a group (fewer slots than tokens) or speculation appends tentative slots (more).
 
+A finished compacted request's tables may be kept for its conversation's next turn (kept turns:
+kvlab/cache/kept_turns.py, owned by the allocator; `keep_turn`, and `lookup` finds them).
+
 This is the only door into the pages: the runner asks it for tables, lengths and slot mappings; the
 scheduler for admission and growth; policies for release and compaction; speculation for rollback.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvlab.cache.allocators.base import NULL_BLOCK, Allocator
+from kvlab.cache.kept_turns import KeptTurn
 from kvlab.cache.prefix_cache import Node, PrefixCache, request_salt
 from kvlab.sequence import Sequence
 
@@ -63,11 +67,13 @@ def equal_groups(layer_windows: list[int | None], size: int | None = None,
 @dataclass(frozen=True)
 class PrefixHit:
     """What a prefix-cache lookup found for a waiting sequence: its first `tokens` tokens' KV, in the
-    pages of `nodes` (one per block). `lookup` returns it, `can_allocate` and `allocate` take it."""
+    pages of `nodes` (one per block), or in the tables of kept compressed turn `turn` (its cache holds
+    fewer slots than `tokens`). `lookup` returns it, `can_allocate` and `allocate` take it."""
 
     seq_id: int
     tokens: int = 0
     nodes: tuple = ()
+    turn: int | None = None
 
 
 class BlockManager:
@@ -114,6 +120,8 @@ class BlockManager:
         self.on_hit: Callable[[Sequence, Node], None] | None = None
         # called after a sequence's tables are freed (the cache gives back residual rows leased for its open pages)
         self.on_free: Callable[[], None] | None = None
+        # kept compressed turns (allocator.kept_turns): a request admitted onto one hands its state to the compressor
+        self.on_turn_hit: Callable[[Sequence, object], None] | None = None
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
         # a packed format's residual rows leased from free pages (kvlab.cache.quant.lease.RowClaims; None: no rows):
         # the rows this step's writes will lease, claimed as the step is scheduled, stay free
@@ -132,6 +140,11 @@ class BlockManager:
         and evicts parked pages when out of free ones); the block manager looks hits up and registers
         pages through it."""
         return self.allocator.prefix_cache
+
+    @property
+    def kept_turns(self):
+        """The kept compressed turns (kvlab.cache.kept_turns.KeptTurns), owned by the allocator; None when off."""
+        return getattr(self.allocator, "kept_turns", None)
 
     def _keys(self, seq: Sequence) -> list[int]:
         return [self.key(seq, g) for g in range(len(self.groups))]
@@ -186,7 +199,10 @@ class BlockManager:
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
         past a scoring request's context end) and the nodes of their blocks: whole blocks, then
-        (prefix_match="token") the leading tokens of one more cached block. No hit without a prefix cache."""
+        (prefix_match="token") the leading tokens of one more cached block; or a kept compressed turn
+        (`lookup_turn`). No hit without a prefix cache or kept turns."""
+        if self.kept_turns is not None:
+            return self.lookup_turn(seq)
         if self.prefix_cache is None:
             return PrefixHit(seq.seq_id)
         bs, last = self.block_size, seq.num_tokens_to_compute - 1
@@ -217,6 +233,63 @@ class BlockManager:
         if self.hit_ends is not None and hit:
             nodes, hit = self._cut_to_kept_stats(nodes, hit)
         return PrefixHit(seq.seq_id, hit, tuple(nodes))
+
+    def lookup_turn(self, seq: Sequence) -> PrefixHit:
+        """The longest kept compressed turn whose tokens start `seq`'s prompt, leaving the policy's observation
+        window (`recompute_tail`) and the prompt's last token to compute; no hit for a scoring request."""
+        if seq.is_scoring or not self.kept_turns:
+            return PrefixHit(seq.seq_id)
+        limit = min(seq.num_tokens_to_compute - 1, seq.num_prompt_tokens - self.recompute_tail)
+        turn_id, turn = self.kept_turns.match(seq.token_ids, self._salt(seq), limit)
+        return PrefixHit(seq.seq_id) if turn is None else PrefixHit(seq.seq_id, len(turn.tokens), (), turn_id)
+
+    def keep_turn(self, seq: Sequence, state: object = None) -> bool:
+        """`seq` finished: keep its compacted tables (forked: the pages are shared, ref-counted) for a request
+        whose prompt starts with the tokens they hold, with the compressor's `state` for it. Only a compacted
+        generation request's (an uncompacted one's pages are what prefix caching is for); a kept turn with
+        the same tokens is replaced; past the store's capacity the least recently used goes."""
+        turns = self.kept_turns
+        if turns is None or seq.is_scoring or seq.seq_id not in self._compacted or self.key(seq, 0) not in \
+                self.allocator.tables:
+            return False
+        tokens, salt = tuple(seq.token_ids[:self._committed(seq)]), self._salt(seq)
+        for turn_id, turn in list(turns.entries.items()):
+            if turn.tokens == tokens and turn.salt == salt:
+                for key in turns.entries.pop(turn_id).keys:
+                    self.allocator.free(key)
+        turn_id, keys = turns.new_keys()
+        for g, key in enumerate(keys):
+            self.allocator.fork(self.key(seq, g), key)
+        turns.add(turn_id, KeptTurn(tokens, salt, keys, state))
+        while turns.over_capacity():
+            self.allocator.drop_kept_turn()
+        return True
+
+    def _can_allocate_turn(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Room for `seq` on kept turn `hit.turn`: each group's kept slots and the new tokens in fresh pages
+        (compaction rewrites the shared ones), one copy-on-write page, and the turn's pages that only kept
+        turns hold (they stop counting as free)."""
+        a, new = self.allocator, seq.num_tokens - hit.tokens
+        keys = self.kept_turns.entries[hit.turn].keys
+        need = sum(a.blocks_for(a.num_tokens(k) + new) + 1 for k in keys) + len(a.kept_pages(keys))
+        return need <= a.num_admissible_blocks
+
+    def _allocate_turn(self, seq: Sequence, num_tokens: int, hit: PrefixHit) -> None:
+        """`seq`'s tables forked from kept turn `hit.turn` (copy-on-write), then `num_tokens` new slots: its
+        cache indices no longer follow positions (it registers nothing in the prefix cache)."""
+        if hit.tokens != seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but its kept turn "
+                             f"holds {hit.tokens}")
+        turn = self.kept_turns.entries[hit.turn]
+        for g, key in enumerate(self._keys(seq)):
+            self.allocator.fork(turn.keys[g], key)
+        for key in self._keys(seq):
+            self.allocator.append_slots(key, num_tokens)
+        self.kept_turns.touch(hit.turn, hit.tokens)
+        self._compacted.add(seq.seq_id)
+        self._hits[seq.seq_id] = (hit.tokens, set())
+        if self.on_turn_hit is not None:
+            self.on_turn_hit(seq, turn.state)
 
     def _cut_to_kept_stats(self, nodes: list[Node], hit: int) -> tuple[list[Node], int]:
         """The hit cut back to the deepest whole block whose node `hit_ends` accepts (and whose pages every
@@ -279,6 +352,8 @@ class BlockManager:
         """Whether `seq`'s first chunk fits, its prefix `hit` (looked up here when not given) shared."""
         if self.rows is not None:  # its first chunk opens at most a window of pages per group
             pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
+        if hit is not None and hit.turn is not None:
+            return self._can_allocate_turn(seq, hit)
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
                 [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
@@ -310,6 +385,8 @@ class BlockManager:
 
     def _allocate(self, seq: Sequence, num_tokens: int, found: PrefixHit) -> None:
         hit, nodes = self._checked(seq, found)
+        if found.turn is not None:
+            return self._allocate_turn(seq, num_tokens, found)
         if self.prefix_cache is None:
             for key in self._keys(seq):
                 self.allocator.allocate(key, num_tokens, seq.max_len)

@@ -19,6 +19,7 @@ from kvlab.cache.allocators.paged import PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup, equal_groups
 from kvlab.cache.kv_cache import KVCache, bytes_per_block
 from kvlab.cache.paged_kv import PagedKV
+from kvlab.cache.kept_turns import KeptTurns
 from kvlab.cache.prefix_index import prefix_index
 from kvlab.cache.quant.lease import lessor_for, row_claims
 from kvlab.engine import attention
@@ -265,6 +266,8 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple
     if policy.compresses:  # a prefix hit leaves the policy's observation window to compute
         bm.recompute_tail = policy.query_window
         bm.keep_shared = config.prefix_keep_shared
+    if config.reuse_compressed:  # finished compressed turns kept for the next (kvlab/cache/kept_turns.py)
+        bm.allocator.kept_turns = KeptTurns(len(groups), config.reuse_compressed_max_turns)
     if index is not None and cache.area is not None:
         # a residual window: a hit leaves the prompt's window to compute and shares no page that is
         # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")
@@ -295,6 +298,9 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
         if policy.compresses else None
     if compressor:
         compressor.bind(model)  # binds the policy too
+    if compressor and bm.kept_turns is not None:
+        compressor.keep_turns = True
+        bm.on_turn_hit = compressor.seed_turn
     if compressor or cache.sparse_read is not None:
         scheduler.stop_at = chunk_end(compressor, cache)
     parts = Parts(config, policy, quant, draft, caps, model, loaded.tokenizer, mc, max_model_len, bos, eos,

@@ -47,6 +47,7 @@ class Capabilities:
     token_granular_prefix: bool  # a hit may end inside a cached page (radix, or prefix_match='token')
     backend: str  # the kernel backend this configuration runs: 'triton' or 'torch'
     batch_invariant: bool = False  # every row of a pass computed alike (EngineConfig.batch_invariant)
+    reuses_compressed_turns: bool = False  # finished compressed turns kept for the next (EngineConfig.reuse_compressed)
     samples: int = 1  # a request's SamplingParams.n (the request-time rows)
 
 
@@ -75,6 +76,7 @@ def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilit
                                                                      or config.prefix_match == "token"),
         backend=backend,
         batch_invariant=bool(getattr(config, "batch_invariant", False)),
+        reuses_compressed_turns=bool(getattr(config, "reuse_compressed", False)),
     )
 
 
@@ -124,6 +126,34 @@ REFUSED: list[Refusal] = [
             lambda c: c.backend not in c.backends,
             lambda c: f"quant={c.quant!r}: the {c.backend} kernel backend cannot read this cache format (it is "
                       f"read by: {', '.join(c.backends)}); set kernel_backend='torch'"),
+    Refusal("reusing compressed turns without a compressing policy", "nothing is compressed to keep",
+            lambda c: c.reuses_compressed_turns and not c.compacts,
+            lambda c: f"reuse_compressed keeps the compressed cache of a finished request, and policy {c.policy!r} "
+                      f"compresses nothing: use enable_prefix_caching to reuse uncompressed pages"),
+    Refusal("reusing compressed turns with prefix caching",
+            "a kept turn and the prefix cache would both claim a request's leading pages",
+            lambda c: c.reuses_compressed_turns and c.prefix_caching,
+            lambda c: "reuse_compressed with enable_prefix_caching is not supported yet (a hit on a kept compressed "
+                      "turn and one on registered pages would both claim the request's leading tokens, and shared "
+                      "pages would be protected from recompression): use one of the two"),
+    Refusal("reusing compressed turns with a non-paged allocator", "a kept turn's pages are shared by reference",
+            lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
+            lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
+                      f"shared copy-on-write, which only allocator='paged' does"),
+    Refusal("reusing compressed turns with a draft", "a draft's private cache would not follow the kept turn",
+            lambda c: c.reuses_compressed_turns and c.draft is not None,
+            lambda c: f"reuse_compressed with draft={c.draft!r} is not supported yet: a draft keeps its own "
+                      f"cache of the request (a model draft's private pool), which a kept turn does not hold: "
+                      f"leave draft=None", NotImplementedError),
+    Refusal("reusing compressed turns with a packed format", "a packed page's residual rows are leased per table",
+            lambda c: c.reuses_compressed_turns and c.packed,
+            lambda c: f"reuse_compressed with quant={c.quant!r} is not supported yet: a packed format's open pages "
+                      f"lease residual rows per sequence, which a kept turn's tables do not hold; use an unpacked "
+                      f"format (fp32, bf16, fp16, fp8)", NotImplementedError),
+    Refusal("reusing compressed turns with sparse reading", "page summaries of a kept turn are not kept",
+            lambda c: c.reuses_compressed_turns and c.sparse_read,
+            lambda c: f"reuse_compressed with policy {c.policy!r} (sparse reading) is not supported yet: the page "
+                      f"summaries a sparse read selects by are not checked across a kept turn", NotImplementedError),
     Refusal("per-head budgets with accumulated attention statistics",
             "the statistics are gathered per layer (a per-head table's overwrite each other); no built-in reaches "
             "it: adakv refuses a scorer with accumulated statistics",
@@ -152,6 +182,13 @@ DEVIATIONS: list[Deviation] = [
               "when it was admitted (a second pass, or a preempted request readmitted onto its own cached pages, "
               "may keep more); prefix_keep_shared=False copies a hit's pages and compresses as without caching",
               lambda c: c.keeps_shared_pages and c.compacts, ("prefix hits", "schedule")),
+    Deviation("reusing compressed turns",
+              "with reuse_compressed a request whose prompt starts with a finished request's prompt + output "
+              "continues from that request's compressed cache (its kept slots and the policy's totals) and computes "
+              "only its new tokens, where without the kept turn it computes and compresses its whole prompt: what it "
+              "keeps, and so its output, depends on whether the turn was still kept when it was admitted (evicted "
+              "under pool pressure, or past reuse_compressed_max_turns, or not fitting the pool then)",
+              lambda c: c.reuses_compressed_turns and c.compacts, ("prefix hits", "schedule")),
     Deviation("a rounding format under a changing schedule",
               "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "
               "(codes, scales, a narrower dtype) can turn into a different stored value: outputs may change with "

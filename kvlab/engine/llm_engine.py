@@ -23,6 +23,7 @@ from kvlab.engine_config import EngineConfig
 from kvlab.metrics import Metrics, tokens_per_page
 from kvlab.models import LoadedModel
 from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
+from kvlab.cache.kept_turns import KeptTurnStats
 from kvlab.cache.prefix_cache import PrefixStats
 from kvlab.sampler import SamplingError, request_generator, sample
 from kvlab.sampling_params import SamplingParams, as_sampling_params
@@ -442,6 +443,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, now: float) -> Sequence:
         # the final length in the cache (the last sampled token is never written; evicted ones are gone)
         final = self.block_manager.cached_total(seq)
+        if self.block_manager.kept_turns is not None:  # its compressed tables, kept for the next turn
+            self.block_manager.keep_turn(seq, self.compressor.turn_state(seq) if self.compressor else None)
         self.scheduler.finish(seq, reason)
         seq.finish_time = now
         self.lifecycle.emit("finished", [seq])
@@ -481,6 +484,12 @@ class LLMEngine:
                            prefix_hit_tokens=st.hit_tokens, prefix_queried_tokens=st.queried_tokens,
                            prefix_pages_saved=st.hit_pages, prefix_evictions=st.evictions,
                            prefix_cached_free_pages=pc.num_parked)
+        turns = self.block_manager.kept_turns
+        if turns is not None:  # kept compressed turns (EngineConfig.reuse_compressed)
+            st = turns.stats
+            summary.update(turn_reuse_hits=st.hits, turn_reuse_tokens=st.hit_tokens, turns_kept=st.kept,
+                           turn_evictions=st.evictions, turns_held=len(turns),
+                           turn_pages_held=self.block_manager.allocator.num_kept_only)
         if self.cache.sparse_read is not None:
             summary.update(self.cache.sparse_read.stats())
         if self.speculator:
@@ -494,6 +503,8 @@ class LLMEngine:
             self.block_manager.prefix_cache.stats = PrefixStats()
         if self.compressor:
             self.compressor.reset_stats()
+        if self.block_manager.kept_turns is not None:
+            self.block_manager.kept_turns.stats = KeptTurnStats()
         if self.cache.sparse_read is not None:
             self.cache.sparse_read.reset_stats()
         if self.speculator:

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvlab.cache.block_manager import BlockManager
+from kvlab.cache.block_manager import BlockManager, PrefixHit
 from kvlab.sequence import Sequence, SequenceStatus
 
 
@@ -91,6 +91,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.lookup(seq)  # a prefix-cache hit (none without prefix caching)
+            if hit.turn is not None and not self.block_manager.can_allocate(seq, hit):
+                hit = PrefixHit(seq.seq_id)  # a kept compressed turn that does not fit: compute it all (its
+                # pages count as free, the pool drops kept turns for room), rather than wait on the turn
             if not self.block_manager.can_allocate(seq, hit):
                 break
             seq.num_computed_tokens = hit.tokens

@@ -14,6 +14,7 @@ from kvlab.engine.capabilities import REFUSED, deviations_markdown, refused_mark
 
 MISSING = "does-not-exist"  # a model that cannot load: an error about the combination came first
 
+SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
     "sparse reading with a token-tree draft": (dict(policy="quest", policy_args={"budget": 64}, draft="tree"),
@@ -26,6 +27,19 @@ CASES = {
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),
     "prefix caching with a non-paged allocator": (dict(allocator="contiguous", enable_prefix_caching=True),
                                                   dict(allocator="contiguous")),
+    "reusing compressed turns without a compressing policy": (dict(reuse_compressed=True),
+                                                               dict(reuse_compressed=True, **SNAP)),
+    "reusing compressed turns with prefix caching": (dict(reuse_compressed=True, enable_prefix_caching=True, **SNAP),
+                                                     dict(enable_prefix_caching=True, **SNAP)),
+    "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
+                                                            dict(allocator="contiguous", **SNAP)),
+    "reusing compressed turns with a draft": (dict(reuse_compressed=True, draft="ngram", **SNAP),
+                                              dict(draft="ngram", **SNAP)),
+    "reusing compressed turns with a packed format": (dict(reuse_compressed=True, quant="int8", **SNAP),
+                                                      dict(reuse_compressed=True, quant="fp16", **SNAP)),
+    "reusing compressed turns with sparse reading": (
+        dict(reuse_compressed=True, policy="rocketkv", policy_args={"budget": 64, "window_size": 8}),
+        dict(policy="rocketkv", policy_args={"budget": 64, "window_size": 8})),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),

@@ -9,11 +9,15 @@ slots of each sequence's last block.
 With prefix caching (`prefix_cache` set by the block manager) a registered page whose last owner
 lets go is *parked* (cached-free: findable by later requests) instead of freed; `_take` hands out
 never-registered free pages first, then evicts a parked page chosen by the eviction policy.
+
+With kept compressed turns (`kept_turns`, kvlab/cache/kept_turns.py: EngineConfig.reuse_compressed) the
+store's tables are tables here; a page only they hold counts as free, and when no free or parked page is
+left `_take` drops the least recently used turn (freeing its tables) until one is.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvlab.cache.allocators.base import NULL_BLOCK, Allocator, OutOfBlocks
@@ -35,13 +39,36 @@ class PagedAllocator(Allocator):
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.ref_counts = [0] * self.num_blocks
         self.prefix_cache = None  # kvlab.cache.prefix_cache.PrefixCache: owned here (given at assembly)
+        self.kept_turns = None  # kvlab.cache.kept_turns.KeptTurns: owned here (given at assembly)
 
     @property
     def num_free_blocks(self) -> int:
-        """Pages no table holds: free ones plus cached-free (parked) ones."""
-        return len(self.free_blocks) + (self.prefix_cache.num_parked if self.prefix_cache else 0)
+        """Pages no sequence's table holds: free ones, cached-free (parked) ones, and those only kept turns hold."""
+        return len(self.free_blocks) + (self.prefix_cache.num_parked if self.prefix_cache else 0) + self.num_kept_only
+
+    @property
+    def num_kept_only(self) -> int:
+        """Pages held by kept turns' tables and no other table (dropping every turn frees them)."""
+        if not self.kept_turns:
+            return 0
+        held = Counter(b for k in self.kept_turns.table_keys() for b in self.tables[k] if b != NULL_BLOCK)
+        return sum(1 for b, n in held.items() if self.ref_counts[b] == n)
+
+    def kept_pages(self, keys: list[int]) -> list[int]:
+        """Of the pages of tables `keys` (a kept turn's), those no table but a kept turn's holds: a request
+        admitted onto the turn takes them out of the free count."""
+        held = Counter(b for k in self.kept_turns.table_keys() for b in self.tables[k] if b != NULL_BLOCK)
+        return [b for b in {b for k in keys for b in self.tables[k] if b != NULL_BLOCK} if self.ref_counts[b] == held[b]]
+
+    def drop_kept_turn(self) -> None:
+        """Free the tables of the least recently used kept turn."""
+        for key in self.kept_turns.evict().keys:
+            self.free(key)
 
     def _take(self) -> int:
+        while not self.free_blocks and not (self.prefix_cache is not None and self.prefix_cache.num_parked) \
+                and self.kept_turns:
+            self.drop_kept_turn()  # pool pressure: the least recently used compressed turn goes
         if self.free_blocks:
             block = self.free_blocks.popleft()
         elif self.prefix_cache is not None and self.prefix_cache.num_parked:
