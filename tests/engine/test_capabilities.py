@@ -26,6 +26,8 @@ CASES = {
         dict(policy="test-unprotecting", policy_args={"compression_ratio": 0.5})),
     "prefix caching with a non-paged allocator": (dict(allocator="contiguous", enable_prefix_caching=True),
                                                   dict(allocator="contiguous")),
+    "a draft reading the target's cache with a packed format": (dict(draft="self_compressed", quant="int4"),
+                                                                dict(draft="self_compressed", quant="bf16")),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),
