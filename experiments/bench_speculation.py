@@ -16,6 +16,8 @@ Face assisted-generation anchor at batch 1 on the same prompts: plain `generate`
     python experiments/bench_speculation.py --model random:llama-tiny --max-tokens 16 --repeats 1 --out /tmp/spec
     python experiments/bench_speculation.py --drafts ngram:num_tokens=4 layerskip:layers=24,num_tokens=3 \
         tree:layers=24,width=2,depth=3 --hf --out experiments/results/speculation_selfspec_smollm2
+    python experiments/bench_speculation.py --drafts self_compressed:policy=streaming_llm,policy_args.budget=256 \
+        self_compressed:policy=streaming_llm,policy_args.budget=64 --out experiments/results/speculation_self_compressed_smollm2
     python experiments/bench_speculation.py --policy snapkv:compression_ratio=0.5 --drafts ngram layerskip:layers=24 \
         --out experiments/results/speculation_over_snapkv_smollm2     # speculation over a compressed cache
 """
@@ -141,18 +143,24 @@ def cache_args(args) -> dict:
 
 
 def parse_draft(spec: str, num_tokens: int) -> tuple[str, str, dict]:
-    """`name:key=value,...` -> (label, name, draft_args); ngram / layerskip default to --num-tokens."""
+    """`name:key=value,...` -> (label, name, draft_args); ngram / layerskip / self_compressed default to
+    --num-tokens. A dotted key nests: `self_compressed:policy=streaming_llm,policy_args.budget=256` gives
+    draft_args {"policy": "streaming_llm", "policy_args": {"budget": 256}}."""
     import ast
 
     name, _, rest = spec.partition(":")
     dargs = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
+        *outer, key = key.split(".")
+        into = dargs
+        for part in outer:
+            into = into.setdefault(part, {})
         try:
-            dargs[key] = ast.literal_eval(value)
+            into[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            dargs[key] = value
-    if name in ("ngram", "layerskip", "model"):
+            into[key] = value
+    if name in ("ngram", "layerskip", "model", "self_compressed"):
         dargs.setdefault("num_tokens", num_tokens)
     return spec, name, dargs
 

@@ -47,8 +47,9 @@ def bytes_per_block(groups: list[LayerGroup], block_size: int, num_kv_heads: int
 class KVCache:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, quant: QuantFormat, compute_dtype: torch.dtype, device: torch.device | str,
-                 residual_rows: int | None = None, lessor=None):
-        """Formats with a residual window: `lessor` (kvlab.cache.quant.lease.PageLessor) leases each open page's
+                 residual_rows: int | None = None, lessor=None, scratch_pages: int = 0):
+        """`scratch_pages`: pages after the pool's `num_blocks` that no table of the block manager holds (a
+        self-speculating draft's tentative K/V, kvlab/speculation/drafts/self_compressed.py). Formats with a residual window: `lessor` (kvlab.cache.quant.lease.PageLessor) leases each open page's
         row from the pool's free pages; without one, `residual_rows` rows of an area of their own
         (default one per page)."""
         quant.check_shape(num_kv_heads, head_dim, block_size)
@@ -62,6 +63,8 @@ class KVCache:
             for layer in group.layers:
                 self.groups_of.setdefault(layer, []).append((g, group.head))
         self.slot_of: dict[int, int] = {layer: s for group in groups for s, layer in enumerate(group.layers)}
+        self.scratch_pages = range(num_blocks, num_blocks + scratch_pages)
+        num_blocks += scratch_pages
         self.null_page = num_blocks
         pool = (quant, len(groups[0].layers), num_blocks, block_size, heads_per_page(groups, num_kv_heads),
                 head_dim, compute_dtype, device)
@@ -153,6 +156,13 @@ class KVCache:
         """Copy-on-write: page src -> page dst, in every layer slot, with its scales (and residual row)."""
         if self.sparse_read is not None:
             self.sparse_read.copied(pairs)
+        self.layout.copy_blocks(pairs)
+
+    def copy_scratch(self, pairs: list[tuple[int, int]]) -> None:
+        """Page src (the pool's) -> scratch page dst, in every layer slot (element-wise formats): what a draft
+        reads besides the pool's pages. Nothing of the pool changes, so page summaries are not told."""
+        if any(d not in self.scratch_pages for _, d in pairs):
+            raise ValueError("copy_scratch writes scratch pages only")
         self.layout.copy_blocks(pairs)
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:

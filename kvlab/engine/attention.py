@@ -76,6 +76,22 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
                         batch_invariant=batch_invariant, before=before)
 
 
+def plan_view(tables: list[list[list[int]]], lens: list[list[int]], block_manager: BlockManager, cache: KVCache,
+              device: torch.device) -> StepMetadata:
+    """A self-speculating draft's pass (kvlab/speculation/drafts/self_compressed.py): one new token a sequence,
+    per group g the draft's own tables[g][b] (view pages of the target's, then scratch pages) and cached slots
+    lens[g][b] after the token, which goes to cache index lens - 1 of that table (a scratch slot). No step of
+    the cache begins: the draft writes only scratch pages of an element-wise format."""
+    bs, mappings, plans = block_manager.block_size, [], []
+    for g, group in enumerate(block_manager.groups):
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[g], lens[g])]
+        mappings.append(torch.tensor(slots, dtype=torch.int64, device=device))  # [B]
+        used = [t[:-(-n // bs)] for t, n in zip(tables[g], lens[g])]  # the pages up to the new token
+        plans.append(plan_paged_attention(list(range(len(slots) + 1)), lens[g], used, bs, group.sliding_window,
+                                          device, null_block=cache.null_page))
+    return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans)
+
+
 def sealed_before(cache: KVCache, bm: BlockManager, seals: list[set[int]]) -> dict[tuple[int, int], tuple]:
     """(layer, group) -> the open pages the step seals (left the residual window), read before any layer's store
     seals them: what the batch-invariant rows before the seal point read in full precision."""

@@ -235,8 +235,11 @@ def special_tokens(tokenizer, mc) -> tuple[int | None, set]:
     return bos, set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
 
 
-def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple[BlockManager, KVCache, float]:
-    """The one shared page pool sized from the byte budget: (block manager, KV cache, bytes per block)."""
+def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
+              draft=None) -> tuple[BlockManager, KVCache, float]:
+    """The one shared page pool sized from the byte budget: (block manager, KV cache, bytes per block); a
+    draft's scratch pages (`DraftModel.scratch_pages`, per layer group) sit past the block manager's, outside
+    the budget (as a model draft's own pool)."""
     dtype = getattr(torch, config.dtype)
     groups = layer_groups(mc, per_layer=policy.compresses, per_head=policy.head_budgets)
     num_kv_heads, head_dim = mc.num_key_value_heads, head_dim_of(mc)
@@ -257,8 +260,9 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int) -> tuple
         max_chunk = max(max_chunk, compression_chunk(config))
     bm = BlockManager(groups, allocator, num_blocks, config.block_size, max_model_len, max_chunk, index, match,
                       kept_tokens(policy, groups))
+    scratch = len(groups) * draft.scratch_pages(config.block_size) if draft is not None else 0
     cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, quant, dtype, config.device,
-                    lessor=lessor_for(quant, bm.allocator, config.block_size))
+                    lessor=lessor_for(quant, bm.allocator, config.block_size), scratch_pages=scratch)
     bm.on_free = cache.release_unheld  # leased residual rows follow their pages
     bm.rows = row_claims(cache.area, quant.residual or 0)
     if isinstance(policy, SparseReadPolicy):  # decode reads only the pages the policy selects
@@ -291,7 +295,7 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
     model, mc = loaded.model, loaded.model.config
     max_model_len = context_length(config, mc)
     bos, eos = special_tokens(loaded.tokenizer, mc)
-    bm, cache, per_block = page_pool(config, allocator, policy, quant, mc, max_model_len)
+    bm, cache, per_block = page_pool(config, allocator, policy, quant, mc, max_model_len, draft)
     kv = PagedKV(bm, cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
     scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
     compressor = Compressor(policy, kv, getattr(torch, config.dtype), compression_chunk(config)) \

@@ -25,6 +25,7 @@ DRAFT_ARGS = {  # the drafts that run on a tiny model (the cross-vocabulary ones
     "model": {"model": TINY, "num_tokens": 3},
     "layerskip": {"layers": 1, "num_tokens": 3},
     "tree": {"layers": 1, "width": 2, "depth": 2},
+    "self_compressed": {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 3},
 }
 
 SPARSE_ARGS = {  # policies that read selected pages at decode without compacting

@@ -16,6 +16,7 @@ MODEL = "random:llama-tiny"
     ("model", {"model": MODEL, "num_tokens": 3}),
     ("layerskip", {"layers": 1, "num_tokens": 3}),
     ("tree", {"layers": 1, "width": 2, "depth": 3}),
+    ("self_compressed", {"policy": "streaming_llm", "policy_args": {"budget": 16}, "num_tokens": 3}),
 ])
 def test_builtin_drafts_conform(name, args):
     """Greedy identity with plain decoding, again under preemption (a pool that preempts every draft's

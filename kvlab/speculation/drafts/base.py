@@ -59,6 +59,11 @@ class DraftModel(ABC):
         """Check the draft against the target engine (vocabulary, device) and build what it needs;
         raise a clear error before any request runs."""
 
+    def scratch_pages(self, block_size: int) -> int:
+        """Pages per layer group the draft writes in the target's pool tensors beside the block manager's pages
+        (`KVCache.scratch_pages`, made at build; 0: none): a draft that reads the target's own cache."""
+        return 0
+
     def forget(self, seq_id: int) -> None:
         """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""
 
