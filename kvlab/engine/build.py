@@ -190,6 +190,7 @@ class Parts:
     compressor: Compressor | None
     private_pools: PrivatePools
     speculator: Speculator | None = None
+    plan_view: Callable = attention.plan_view  # a self-speculating draft's pass over a view of the pool's pages
 
 
 def resolve(config):

@@ -301,10 +301,9 @@ def test_unknown_draft_and_parameter_are_named():
         LLM("does-not-exist", draft="ngram", draft_args={"k": 4})
 
 
-def test_draft_with_a_policy_compressing_during_decode_fails_before_the_model():
-    with pytest.raises(ValueError, match=r"draft 'ngram' with policy 'streaming_llm' compressing during decode "
-                                         r"\(when='decode'\): a verify step can cross a compression point"):
-        LLM("does-not-exist", draft="ngram", policy="streaming_llm", policy_args={"budget": 64, "when": "decode"})
+def test_a_self_speculating_draft_over_a_packed_format_fails_before_the_model():
+    with pytest.raises(ValueError, match=r"draft 'self_compressed' reads the target's own pages"):
+        LLM("does-not-exist", draft="self_compressed", quant="int4")
 
 
 def test_model_draft_needs_the_targets_vocabulary():

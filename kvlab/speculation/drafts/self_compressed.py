@@ -29,7 +29,6 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.engine.attention import plan_view
 from kvlab.kernels.attention_plan import NULL_BLOCK
 from kvlab.registry import DRAFTS, POLICIES
 from kvlab.sampler import probabilities
@@ -90,6 +89,7 @@ class SelfCompressedDraft(DraftModel):
             raise RuntimeError(f"draft self_compressed needs {need} scratch pages, the cache has "
                                f"{len(cache.scratch_pages)}: build it through kvlab.engine.build")
         self._cache, self._bm, self._device = cache, bm, torch.device(engine.config.device)
+        self._plan_view = engine.plan_view  # kvlab.engine.attention.plan_view (the engine lends it)
         if self.layers is None:
             self._model = engine.model
             return
@@ -154,7 +154,7 @@ class SelfCompressedDraft(DraftModel):
     def _forward(self, ids: list[int], positions: list[int], views, j: int) -> torch.Tensor:
         """One packed pass, one token a sequence at draft offset `j` -> logits [B, V] (float32)."""
         dev = self._device
-        meta = plan_view([[v[g][0] for v in views] for g in range(len(self._bm.groups))],
+        meta = self._plan_view([[v[g][0] for v in views] for g in range(len(self._bm.groups))],
                          [[v[g][1] + j + 1 for v in views] for g in range(len(self._bm.groups))],
                          self._bm, self._cache, dev)
         B = len(ids)
