@@ -90,3 +90,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
+
+
+def draw(q: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> int:
+    """One token from the probabilities q [V]: the most likely when greedy, else drawn with `generator`
+    (a draft's proposal; kvlab.speculation.drafts)."""
+    return int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))

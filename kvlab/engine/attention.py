@@ -56,6 +56,7 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
     seq_of = torch.repeat_interleave(torch.arange(len(seqs)), n)  # [T]
     local = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.int64)[seq_of]  # [T] index within its chunk
     mappings, plans, seals = [], [], []
+    drafted = [len(seq.draft_token_ids) for seq in seqs]  # batch-invariant mode: a draft's tokens seal nothing
     for g, group in enumerate(bm.groups):
         tables, lens = bm.block_tables(seqs, g), bm.cached_lens(seqs, g)
         index = (torch.tensor(lens, dtype=torch.int64) - n)[seq_of] + local  # [T] cache index of each new token
@@ -63,7 +64,6 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
         plans.append(plan_paged_attention(cu, lens, tables, bm.block_size, group.sliding_window, device,
                                           tree_mask=tree_mask, null_block=cache.null_page))
         if cache.residual is not None and batch_invariant:
-            drafted = [len(seq.draft_token_ids) for seq in seqs]
             seals.append(left_window(tables, lens, num_new_tokens, drafted, cache.residual, bm.block_size,
                                      cache.area.row))
         elif cache.residual is not None:

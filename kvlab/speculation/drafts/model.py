@@ -23,7 +23,7 @@ import torch
 
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.registry import DRAFTS
-from kvlab.sampler import probabilities
+from kvlab.sampler import draw, probabilities
 from kvlab.sequence import Sequence
 
 
@@ -87,10 +87,8 @@ class ModelDraft(DraftModel):
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
             for row, i in enumerate(active):
-                if seqs[i].params.greedy:
-                    token = int(q[row].argmax())
-                else:
-                    token = int(torch.multinomial(q[row], 1, generator=generators[i]))
+                token = draw(q[row], seqs[i].params.greedy, generators[i])
+                if not seqs[i].params.greedy:
                     probs[i].append(q[row])
                 drafted[i].append(token)
                 shadows[i].token_ids.append(token)

@@ -31,7 +31,7 @@ import torch
 
 from kvlab.kernels.attention_plan import NULL_BLOCK
 from kvlab.registry import DRAFTS, POLICIES
-from kvlab.sampler import probabilities
+from kvlab.sampler import draw, probabilities
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.speculation.drafts.layerskip import early_exit
 from kvlab.speculation.drafts.page_view import PageView, page_view
@@ -122,10 +122,8 @@ class SelfCompressedDraft(DraftModel):
             logits = self._forward(ids, positions, [views[i] for i in active], j)  # [len(active), V]
             q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
             for row, i in enumerate(active):
-                if seqs[i].params.greedy:
-                    token = int(q[row].argmax())
-                else:
-                    token = int(torch.multinomial(q[row], 1, generator=generators[i]))
+                token = draw(q[row], seqs[i].params.greedy, generators[i])
+                if not seqs[i].params.greedy:
                     probs[i].append(q[row])
                 drafted[i].append(token)
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]

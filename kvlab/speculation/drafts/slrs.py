@@ -40,7 +40,7 @@ import torch
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.speculation.drafts.vocabulary import Bridge, Vocabulary, load_vocabulary
 from kvlab.registry import DRAFTS
-from kvlab.sampler import probabilities
+from kvlab.sampler import draw, probabilities
 
 MAX_TOKENS = 4  # the most target tokens SLRS drafts per step (its cost is exponential in it)
 
@@ -193,8 +193,7 @@ class SLRSDraft(DraftModel):
             q = self._forward([contexts[i] + paths[i] for i in active], [seqs[i].params for i in active])
             self.evaluations += len(active)
             for row, i in enumerate(active):
-                greedy = seqs[i].params.greedy
-                token = int(q[row].argmax()) if greedy else int(torch.multinomial(q[row], 1, generator=generators[i]))
+                token = draw(q[row], seqs[i].params.greedy, generators[i])
                 paths[i].append(token)
                 texts[i] += d.token_bytes[token]
         out = []
