@@ -272,7 +272,7 @@ def test_the_task_folder_holds_every_documented_task():
 
     names = set(TaskManager(include_path=str(kvlab.study.lm_eval.TASKS_DIR), include_defaults=False).all_tasks)
     assert {"kvlab_wikitext2", "kvlab_lambada_wikitext", "kvlab_lambada_wikitext_gen", "kvlab_niah",
-            "kvlab_local"} <= names
+            "kvlab_ruler", "kvlab_local"} <= names
 
 
 def test_lm_eval_metrics_reach_the_leaderboard_beside_the_costs():
@@ -315,3 +315,34 @@ def test_stop_strings_reach_the_engine_when_it_matches_them(lm, monkeypatch):
     monkeypatch.setattr(lm.llm, "generate", lambda prompts, params: seen.append(params) or [])
     lm.generate_until([Req("abc", {"until": ["\n\n", ""], "max_gen_toks": 3})])
     assert seen[0].stop == ("\n\n", lm.tokenizer.decode([lm.eot_token_id], skip_special_tokens=False))
+
+
+def test_the_ruler_task_scores_rulers_samples_through_lm_eval(lm, monkeypatch, tmp_path):
+    """kvlab_ruler end to end through simple_evaluate: RULER's samples sized in SmolLM2's tokens, a model that
+    answers with the expected outputs scores 1, one that answers nothing scores 0 (the model's text is patched:
+    the tiny model's byte tokenizer cannot read SmolLM2-sized prompts; the engine's side is tested above)."""
+    pytest.importorskip("long_context_eval", reason="RULER's generators (nvidia-long-context-eval) are not installed")
+    from kvlab.study.lm_eval.parity import run_tasks
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    metadata = {"tokenizer": "smollm2-135m", "subtasks": ["niah_single_1", "vt"], "lengths": [512],
+                "num_samples": 2}
+    seen = []
+
+    def oracle(requests):
+        seen.extend(r.args for r in requests)
+        return [answers[r.args[0]] for r in requests]
+
+    rows = {}
+    monkeypatch.setattr(lm, "generate_until", oracle)
+    from kvlab.study.lm_eval.task_yamls import kvlab_data  # noqa: F401  (the YAML's functions, by module path)
+
+    for name, row in ((r["input"], r) for r in kvlab_data.ruler(**metadata)["test"]):
+        rows[name] = row
+    answers = {text: " ".join(row["outputs"]) for text, row in rows.items()}
+    out = run_tasks(lm, "kvlab", ["kvlab_ruler"], None, metadata)
+    assert len(seen) == 4 and {a[1]["max_gen_toks"] for a in seen} == {128}
+    assert {r["subtask"] for r in rows.values()} == {"niah_single_1", "vt"}
+    assert out.results["kvlab_ruler"]["score,none"] == 1.0
+    answers = dict.fromkeys(answers, "")
+    assert run_tasks(lm, "kvlab", ["kvlab_ruler"], None, metadata).results["kvlab_ruler"]["score,none"] == 0.0

@@ -56,3 +56,30 @@ def niah(variants=("needle", "passkey", "multikey"), context_lengths=(256, 512),
 def niah_process_results(doc, results):
     """Correct when the generation contains the needle's value (kvlab.study.tasks.niah's rule)."""
     return {"acc": float(doc["answer"] in results[0])}
+
+
+def ruler(subtasks=("niah_single_1", "niah_multikey_1", "niah_multivalue", "vt", "cwe"), lengths=(1024,),
+          num_samples=4, model_template="base", sample_seed=0, pretrained=None, tokenizer=None, model=None, **_):
+    """RULER's samples from its own generators (kvlab.study.tasks.ruler, the `nvidia-long-context-eval`
+    package), sized in the tokens of the model under test; one row per sample with its subtask, RULER's
+    task family (which metric scores it), the length and the expected outputs."""
+    from kvlab.study.tasks.ruler import Ruler
+
+    name = tokenizer or pretrained or model
+    if not name:
+        raise ValueError("kvlab_ruler sizes its samples in the tokens of the model under test: give the model as "
+                         "`pretrained` in --model_args (lm-eval passes it on) or --metadata '{\"tokenizer\": ...}'")
+    task = Ruler(subtasks=list(subtasks), lengths=list(lengths), num_samples=num_samples,
+                 model_template=model_template, cache_dir=str(local_data.cache_dir() / "ruler"))
+    rows = [{key: row[key] for key in ("subtask", "task", "length", "index", "input", "outputs")}
+            for row in task.samples(local_data.model_tokenizer(name), seed=sample_seed)]
+    params = {"subtasks": list(subtasks), "lengths": list(lengths), "num_samples": num_samples,
+              "template": model_template, "seed": sample_seed}
+    return local_data.load_jsonl(local_data.write_jsonl(_name(f"ruler-{str(name).replace('/', '_')}", params), rows))
+
+
+def ruler_process_results(doc, results):
+    """RULER's per-sample score (string_match_all or _part, by the subtask's family), in [0, 1]."""
+    from kvlab.study.tasks.ruler import score
+
+    return {"score": score(results[0], list(doc["outputs"]), doc["task"])}
