@@ -117,8 +117,9 @@ class Compressor:
         """How many trailing tokens of this step's chunk of `seq` have queries the policy will read."""
         w = self.policy.query_window
         if seq.draft_token_ids:  # a verify step: which rows count is known after verification (verify_rows.py)
-            decoding = self.policy.when == "decode"
-            return num_new_tokens if decoding and (w or self.policy.needs_attention_stats) else 0
+            decoding = self.policy.when == "decode"  # (kept turns keep accumulating H2O's mass to their end)
+            mass = self.policy.needs_attention_stats and (decoding or self.keep_turns)
+            return num_new_tokens if (decoding and w) or mass else 0
         if not w:
             return 0
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens

@@ -142,11 +142,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
             lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
                       f"shared copy-on-write, which only allocator='paged' does"),
-    Refusal("reusing compressed turns with a draft", "a draft's private cache would not follow the kept turn",
-            lambda c: c.reuses_compressed_turns and c.draft is not None,
-            lambda c: f"reuse_compressed with draft={c.draft!r} is not supported yet: a draft keeps its own "
-                      f"cache of the request (a model draft's private pool), which a kept turn does not hold: "
-                      f"leave draft=None", NotImplementedError),
     Refusal("reusing compressed turns with a packed format", "a packed page's residual rows are leased per table",
             lambda c: c.reuses_compressed_turns and c.packed,
             lambda c: f"reuse_compressed with quant={c.quant!r} is not supported yet: a packed format's open pages "

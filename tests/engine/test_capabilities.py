@@ -33,8 +33,6 @@ CASES = {
                                                      dict(enable_prefix_caching=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "reusing compressed turns with a draft": (dict(reuse_compressed=True, draft="ngram", **SNAP),
-                                              dict(draft="ngram", **SNAP)),
     "reusing compressed turns with a packed format": (dict(reuse_compressed=True, quant="int8", **SNAP),
                                                       dict(reuse_compressed=True, quant="fp16", **SNAP)),
     "reusing compressed turns with sparse reading": (

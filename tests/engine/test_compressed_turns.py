@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvlab import LLM, SamplingParams
+from kvlab.testing.builtin_args import DRAFT_ARGS
 from kvlab.testing.drafts import check_nothing_left
 
 POLICIES = {"snapkv": {"compression_ratio": 0.5, "window_size": 8}, "h2o": {"compression_ratio": 0.5, "recent": 8}}
@@ -124,3 +125,18 @@ def test_the_store_keeps_at_most_its_capacity_and_drains():
     while turns:
         a.drop_kept_turn()
     assert not a.tables and a.num_free_blocks == len(a.free_blocks) == a.num_blocks
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_ARGS))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_draft_over_a_kept_turn_changes_nothing(policy, draft):
+    """Each draft keeps what it reads in its own state (a model draft's shadow sequences, synced on the request's
+    tokens, not on the target's cache; self_compressed reads the kept pages through its view), so a hit on a
+    kept turn with a draft gives the tokens the same hit gives without one; H2O's totals keep accumulating
+    over the verified rows after the prompt (a kept turn's totals run to its end)."""
+    plain = two_turns(make(policy))
+    llm = LLM("random:llama-tiny", policy=policy, policy_args=POLICIES[policy], reuse_compressed=True,
+              kv_cache_memory="1MiB", draft=draft, draft_args=DRAFT_ARGS[draft])
+    assert two_turns(llm) == plain
+    assert llm.engine.stats()["turn_reuse_hits"] == 1
+    check_nothing_left(llm, policy)
