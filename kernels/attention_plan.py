@@ -19,7 +19,11 @@ the keys in the pool), so a compacted sequence holds fewer cache indices than it
 An optional tree mask restricts the step's new tokens further (SpecInfer token-tree verification,
 arXiv:2305.09781): `tree_mask[t, j]` says whether query token t may see the j-th new token of its
 sequence. Tokens cached before the step are always visible; the causal rule still applies, so a tree
-is laid out in topological order (ancestors first).
+is laid out in topological order (ancestors first). `tree_starts[b]` moves where a row's mask columns
+begin: column j is cache index `tree_starts[b] + j` (default `seq_lens[b] - q_len[b]`, the step's first
+new token); indices before it are visible. A sparse read's reduced plan uses it for a token tree's
+nodes (kvlab.policies.sparse_read): each node is a row of its own whose table holds the selected pages,
+then its tree's pages, masked to what plain decoding would have read.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class AttentionPlan:
     block_tables: tuple[tuple[int, ...], ...] | torch.Tensor  # [B][n_blocks] physical pages (-1 = released)
     sliding_window: int | None = None
     tree_mask: torch.Tensor | None = None  # [T, >= max q_len] bool on `device`
+    tree_starts: tuple[int, ...] | None = None  # [B] cache index of each row's mask column 0 (tree_mask only)
     device: torch.device = torch.device("cpu")
     null_block: int | None = None  # an always-zero page that released entries and padding may point at
 
@@ -77,6 +82,7 @@ def plan_paged_attention(
     device: torch.device | str = "cpu",
     tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool: query t sees new token j of its sequence
     null_block: int | None = None,
+    tree_starts: list[int] | None = None,  # [B] cache index of mask column 0 (None: seq_len - q_len)
 ) -> AttentionPlan:
     cu_seqlens_q = tuple(int(x) for x in cu_seqlens_q)
     seq_lens = tuple(int(x) for x in seq_lens)
@@ -96,6 +102,25 @@ def plan_paged_attention(
         if tree_mask.dim() != 2 or tree_mask.shape[0] != cu_seqlens_q[-1] or tree_mask.shape[1] < max_q:
             raise ValueError(f"tree_mask must be [T={cu_seqlens_q[-1]}, >= {max_q}], got {tuple(tree_mask.shape)}")
         tree_mask = tree_mask.to(device)
+    if tree_starts is not None:
+        tree_starts = _check_tree_starts(tree_starts, cu_seqlens_q, seq_lens, tree_mask)
     return AttentionPlan(num_tokens=cu_seqlens_q[-1], block_size=block_size, cu_seqlens_q=cu_seqlens_q,
                          seq_lens=seq_lens, block_tables=block_tables, sliding_window=sliding_window,
-                         tree_mask=tree_mask, device=device, null_block=null_block)
+                         tree_mask=tree_mask, tree_starts=tree_starts, device=device, null_block=null_block)
+
+
+def _check_tree_starts(tree_starts, cu_seqlens_q, seq_lens, tree_mask) -> tuple[int, ...]:
+    """Each row's mask origin at or before its first query, its mask wide enough to reach its last key."""
+    if tree_mask is None:
+        raise ValueError("tree_starts needs a tree_mask")
+    starts = tuple(int(x) for x in tree_starts)
+    if len(starts) != len(seq_lens):
+        raise ValueError(f"tree_starts has {len(starts)} entries; expected {len(seq_lens)}")
+    for b, (start, n) in enumerate(zip(starts, seq_lens)):
+        q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+        if not 0 <= start <= n - q_len:
+            raise ValueError(f"sequence {b}: tree_starts {start} must be in [0, seq_len - q_len = {n - q_len}]")
+        if n - start > tree_mask.shape[1]:
+            raise ValueError(f"sequence {b}: tree_mask has {tree_mask.shape[1]} columns, its keys from "
+                             f"tree_starts {start} to seq_len {n} need {n - start}")
+    return starts

@@ -39,6 +39,7 @@ class _DeviceBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     tree_mask: torch.Tensor | None  # [T, >= max q_len] uint8
+    tree_starts: torch.Tensor | None  # [B] int32 cache index of each row's mask column 0 (with tree_mask)
     decode_rows: list[int]
     extend_rows: list[int]
 
@@ -72,6 +73,8 @@ def _build_device_batch(plan: AttentionPlan) -> _DeviceBatch:
         cu_seqlens_q=torch.tensor(plan.cu_seqlens_q, dtype=torch.int32, device=dev),
         seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=dev),
         tree_mask=None if plan.tree_mask is None else plan.tree_mask.to(dev, torch.uint8).contiguous(),
+        tree_starts=None if plan.tree_mask is None else torch.tensor(
+            plan.tree_starts or [n - q for n, q in zip(plan.seq_lens, q_lens)], dtype=torch.int32, device=dev),
         decode_rows=[b for b, n in enumerate(q_lens) if n == 1],
         extend_rows=[b for b, n in enumerate(q_lens) if n > 1],
     )
@@ -260,6 +263,7 @@ def _launch_attention(*, q, k_cache, v_cache, out, lse, plan, batch, rows, decod
         lse if lse is not None else placeholder, m, l,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, tiles.seq, tiles.start,
         tree if tree is not None else placeholder,
+        batch.tree_starts if tree is not None else placeholder,
         kp.scale, vp.scale, kp.zero, vp.zero, kp.residual, vp.residual, kp.row_of, kp.lease,
         float(scale), float(softcap or 1.0), int(window or 0),
         q.stride(0), q.stride(1),
@@ -325,6 +329,7 @@ def _launch_stats(q, k_cache, lse, plan, batch, k_scale, scale, softcap, g, k_co
         q, kp.data, lse, stats_out,
         batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
         tree if tree is not None else placeholder,
+        batch.tree_starts if tree is not None else placeholder,
         kp.scale, kp.zero, kp.residual, kp.row_of, kp.lease,
         float(scale), float(softcap or 1.0), int(window or 0),
         int(stats_window if stats_window is not None else T), L,
@@ -367,6 +372,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     *,
     tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool
+    tree_starts: list[int] | None = None,  # [B] cache index of each row's mask column 0 (AttentionPlan)
     return_stats: bool = False,
     stats_window: int | None = None,
     out: torch.Tensor | None = None,
@@ -382,7 +388,7 @@ def paged_attention(
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows, seq_lens {seq_lens.shape[0]} entries")
     plan = plan_paged_attention(
         cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables, k_cache.shape[1], sliding_window, device,
-        tree_mask=tree_mask,
+        tree_mask=tree_mask, tree_starts=tree_starts,
     )
     return run_paged_attention(
         q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,

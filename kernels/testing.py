@@ -32,8 +32,9 @@ class PagedBatch:
     seq_lens: torch.Tensor  # [B] int32
     k_scale: torch.Tensor | None  # [Hkv] float32 (fp8 caches)
     v_scale: torch.Tensor | None
-    tree_mask: torch.Tensor | None  # [T, max q_len] bool
+    tree_mask: torch.Tensor | None  # [T, max q_len] bool ([T, max(seq_len - tree_starts)] with tree_starts)
     scale: float
+    tree_starts: list[int] | None = None  # [B] cache index of each row's mask column 0 (None: its first new token)
 
     def args(self) -> tuple:
         """Positional arguments of paged_attention / paged_attention_ref up to `scale`."""
@@ -76,6 +77,7 @@ def make_paged_batch(
     sliding_window: int | None = None,
     tree: bool = False,
     seed: int = 0,
+    tree_starts: bool = False,  # with `tree`: each row's mask starts at a random cache index (a sparse tree read)
 ) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
@@ -98,8 +100,11 @@ def make_paged_batch(
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     T = int(cu[-1])
     q = torch.randn(T, num_kv_heads * group, head_dim, generator=gen).to(q_dtype).to(device)  # [T, Hq, D]
-    tree_mask = None
-    if tree:
+    tree_mask, starts = None, None
+    if tree and tree_starts:
+        starts, tree_mask = random_tree_starts(q_lens, seq_lens, cu.tolist(), gen)
+        tree_mask = tree_mask.to(device)
+    elif tree:
         width = max(q_lens)
         tree_mask = torch.zeros(T, width, dtype=torch.bool)
         for b, ql in enumerate(q_lens):
@@ -116,7 +121,20 @@ def make_paged_batch(
         v_scale=v_scale,
         tree_mask=tree_mask,
         scale=1.0 / math.sqrt(head_dim),
+        tree_starts=starts,
     )
+
+
+def random_tree_starts(q_lens: list[int], seq_lens: list[int], cu: list[int], gen: torch.Generator):
+    """([B] tree_starts, [T, W] bool mask): row b's mask starts at a random cache index at or before its first
+    query and covers every key from there (random bits; each query sees itself, so no row is empty)."""
+    starts = [int(torch.randint(0, n - ql + 1, (1,), generator=gen)) for n, ql in zip(seq_lens, q_lens)]
+    width = max(n - s for n, s in zip(seq_lens, starts))
+    mask = torch.rand(cu[-1], width, generator=gen) < 0.5  # [T, W]
+    for b, (n, ql, s) in enumerate(zip(seq_lens, q_lens, starts)):
+        for i in range(ql):
+            mask[cu[b] + i, n - ql + i - s] = True
+    return starts, mask
 
 
 def attention_tolerance(q_dtype: torch.dtype) -> dict[str, float]:

@@ -48,7 +48,7 @@ def _build_parts(plan: AttentionPlan) -> list[_Part]:
     groups = _buckets(decode, plan.seq_lens) + ([extend] if extend else [])
     return [
         _plan_part(rows, plan.cu_seqlens_q, q_lens, plan.seq_lens, tables, plan.block_size,
-                   plan.sliding_window, tree, plan.device, plan.null_block)
+                   plan.sliding_window, tree, plan.device, plan.null_block, plan.tree_starts)
         for rows in groups
     ]
 
@@ -97,7 +97,7 @@ def _buckets(rows: list[int], seq_lens: list[int], slack: float = 0.25, min_rows
 
 
 def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, window, tree, device,
-               null_block=None) -> _Part:
+               null_block=None, tree_starts=None) -> _Part:
     bs = block_size
     pad = 0 if null_block is None else null_block  # padding and released entries point here (masked)
     q_max = max(q_lens[b] for b in rows)
@@ -132,10 +132,13 @@ def _plan_part(rows, cu_seqlens_q, q_lens, seq_lens, block_tables, block_size, w
         mask &= qp - kp < window
     if tree is not None:
         for r, (b, f) in enumerate(zip(rows, first)):
-            n, start = q_lens[b], seq_lens[b] - q_lens[b]  # new tokens sit at cache index start..start+n-1
+            n = q_lens[b]  # mask column 0 is cache index `start` (default: the first new token)
+            start = seq_lens[b] - n if tree_starts is None else tree_starts[b]
+            w = seq_lens[b] - start  # masked columns: cache indices start..seq_len-1
             c0 = start - f * bs  # their column in this row's gathered keys
-            tm = tree[cu_seqlens_q[b] : cu_seqlens_q[b + 1], :n]  # [n, n]
-            mask[r, :n, c0 : c0 + n] &= tm
+            lo = max(0, -c0)  # columns a sliding window already dropped from the gather
+            tm = tree[cu_seqlens_q[b] : cu_seqlens_q[b + 1], lo:w]  # [n, w - lo]
+            mask[r, :n, c0 + lo : c0 + w] &= tm
     q_valid = q_pos >= 0
     mask[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
     valid_rows = q_valid.view(-1).nonzero().view(-1)

@@ -124,6 +124,7 @@ def paged_attention_ref(
     v_scale: torch.Tensor | None = None,
     *,
     tree_mask: torch.Tensor | None = None,  # [T, >= max q_len] bool
+    tree_starts: list[int] | None = None,  # [B] cache index of each row's mask column 0 (AttentionPlan)
     return_stats: bool = False,
     stats_window: int | None = None,
     out: torch.Tensor | None = None,
@@ -138,6 +139,7 @@ def paged_attention_ref(
         sliding_window,
         q.device,
         tree_mask=tree_mask,
+        tree_starts=tree_starts,
     )
     return run_paged_attention(
         q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,

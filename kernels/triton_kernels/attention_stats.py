@@ -26,6 +26,7 @@ def attention_stats_kernel(
     cu_seqlens_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     tree_ptr,  # [T, >= max q_len] uint8 (USE_TREE)
+    tree_start_ptr,  # [B] int32 cache index of each row's tree-mask column 0 (USE_TREE)
     k_scale_ptr,  # [Hkv] float32 (SCALED codec); PACKED: the page store's scale part
     k_zero_ptr,  # PACKED: zero-point part
     k_res_ptr,  # PACKED with HAS_RES: residual row storage, flat (codec.load_packed)
@@ -71,6 +72,9 @@ def attention_stats_kernel(
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - cu0
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
+    tree0 = prefix
+    if USE_TREE:
+        tree0 = tl.load(tree_start_ptr + seq)
 
     j = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] cache indices
     lo = 0
@@ -115,7 +119,7 @@ def attention_stats_kernel(
         ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
         kq = decode(k, k_scale, K_CODEC, DOT_DTYPE)  # PACKED: already dequantised, a cast
         s = logits_log2(q, kq, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ok = visible(pos, j, row_valid, key_valid, tok, prefix, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
+        ok = visible(pos, j, row_valid, key_valid, tok, tree0, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
         lse = tl.load(lse_ptr + tok * stride_lt + head * stride_lh, mask=row_valid, other=0.0)
         p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
         acc += tl.sum(p, 0)

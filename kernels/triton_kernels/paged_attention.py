@@ -51,7 +51,7 @@ def visible(
     row_valid,  # [M]
     key_valid,  # [N]
     tok,  # [M] packed token index of each row (tree mask row)
-    prefix,  # cache length before this step's tokens
+    tree0,  # cache index of the row's tree-mask column 0 (the plan's tree_starts; default its first new token)
     window,
     tree_ptr,
     stride_tree,
@@ -63,7 +63,7 @@ def visible(
     if USE_WINDOW:
         ok = ok & (pos[:, None] - j[None, :] < window)
     if USE_TREE:
-        col = j - prefix  # [N] index of the key among this step's new tokens (< 0: cached before)
+        col = j - tree0  # [N] the key's tree-mask column (< 0: before the tree, visible)
         new = ok & (col[None, :] >= 0)
         tm = tl.load(tree_ptr + tok[:, None] * stride_tree + col[None, :], mask=new, other=1)
         ok = ok & (tm != 0)
@@ -85,6 +85,7 @@ def paged_attention_kernel(
     tile_seq_ptr,  # [n_tiles] int32 sequence of each query tile
     tile_start_ptr,  # [n_tiles] int32 first query (within its sequence's chunk) of each tile
     tree_ptr,  # [T, >= max q_len] uint8 tree mask (USE_TREE)
+    tree_start_ptr,  # [B] int32 cache index of each row's tree-mask column 0 (USE_TREE)
     k_scale_ptr,  # [Hkv] float32 (SCALED codec); PACKED: the page store's scale part
     v_scale_ptr,
     k_zero_ptr,  # PACKED: zero-point part (asymmetric layouts)
@@ -140,6 +141,9 @@ def paged_attention_kernel(
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - cu0
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len  # cache length before this step
+    tree0 = prefix
+    if USE_TREE:
+        tree0 = tl.load(tree_start_ptr + seq)
 
     r = tl.arange(0, BLOCK_M)
     qi = r // G
@@ -202,7 +206,7 @@ def paged_attention_kernel(
             )  # [BLOCK_D, BLOCK_N]
             k = decode(k, k_scale, K_CODEC, DOT_DTYPE)
         s = logits_log2(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ok = visible(pos, j, row_valid, key_valid, tok, prefix, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
+        ok = visible(pos, j, row_valid, key_valid, tok, tree0, window, tree_ptr, stride_tree, USE_WINDOW, USE_TREE)
         s = tl.where(ok, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -54,7 +54,8 @@ CASES = [
 
 
 def run_both(batch, window, softcap, num_splits, **kw):
-    common = dict(k_scale=batch.k_scale, v_scale=batch.v_scale, tree_mask=batch.tree_mask, **kw)
+    common = dict(k_scale=batch.k_scale, v_scale=batch.v_scale, tree_mask=batch.tree_mask,
+                  tree_starts=batch.tree_starts, **kw)
     poisoned = torch.full_like(batch.q, float("nan"))
     if kw.get("return_stats"):
         B, L = batch.seq_lens.shape[0], int(batch.seq_lens.max())
@@ -94,6 +95,29 @@ def test_tree_mask_attention(case):
     # a tree that is not a chain changes the answer (the mask is really applied)
     chain = paged_attention_ref(*batch.args(), window, None, batch.k_scale, batch.v_scale)
     assert not torch.allclose(got, chain, atol=1e-3)
+
+
+TREE_START_CASES = [
+    # id, group, head_dim, block_size, cache, softcap, num_splits
+    ("starts-r2-d64-b4-fp32-cap", 2, 64, 4, "fp32", 6.0, 1),
+    ("starts-r3-d64-b16-bf16-split2", 3, 64, 16, "bf16", None, 2),
+]
+
+
+@pytest.mark.parametrize("case", TREE_START_CASES, ids=[c[0] for c in TREE_START_CASES])
+def test_tree_starts_attention(case):
+    """A sparse read's token-tree rows (kvlab.policies.sparse_read): a row's mask starts at its plan's
+    `tree_starts` (cache indices before it visible), not at its first new token; output and statistics."""
+    _, g, d, bs, cache, softcap, num_splits = case
+    batch = make_paged_batch([1, 1, 3, 1], [bs + 5, 2, 2 * bs + 3, 3 * bs], 2, g, d, bs, CACHE_DTYPES[cache],
+                             device=DEVICE, tree=True, tree_starts=True, seed=4)
+    assert any(s < n - 1 for s, n in zip(batch.tree_starts, batch.seq_lens.tolist()))  # masks reach back
+    (out, stats), (want_out, want_stats) = run_both(batch, None, softcap, num_splits, return_stats=True)
+    tol = attention_tolerance(torch.float32)
+    torch.testing.assert_close(out, want_out, **tol)
+    torch.testing.assert_close(stats, want_stats, **tol)
+    plain = paged_attention_ref(*batch.args(), None, softcap, tree_mask=batch.tree_mask)  # mask at the new tokens
+    assert not torch.allclose(out, plain, atol=1e-3)  # the starts really move the mask
 
 
 STATS_CASES = [

@@ -36,8 +36,9 @@ def naive_attention(batch, window=None, softcap=None, stats_window=None):
         for i in range(q_len):
             t, pos = cu[b] + i, prefix + i
             keys = [j for j in range(pos + 1) if window is None or pos - j < window]
-            if batch.tree_mask is not None:
-                keys = [j for j in keys if j < prefix or bool(batch.tree_mask[t, j - prefix])]
+            if batch.tree_mask is not None:  # mask column 0: tree_starts[b], else the first new token
+                start = prefix if batch.tree_starts is None else batch.tree_starts[b]
+                keys = [j for j in keys if j < start or bool(batch.tree_mask[t, j - start])]
             for h in range(hq):
                 kvh = h // g
                 logits, values = [], []
@@ -63,16 +64,19 @@ CASES = [
     ([5, 3], [12, 3], 1, 2, 1, "fp8_e5m2", 6, None, False),
     ([5, 1, 4], [8, 6, 4], 2, 3, 4, "fp32", None, None, True),
     ([6], [11], 1, 4, 8, "bf16", 4, 3.0, True),
+    ([1, 1, 3, 1], [13, 9, 7, 18], 2, 2, 4, "fp32", None, None, "starts"),  # a sparse read's tree rows
+    ([1, 4, 1], [10, 9, 21], 1, 3, 4, "bf16", None, 4.0, "starts"),
 ]
 
 
 @pytest.mark.parametrize("q_lens,seq_lens,hkv,g,bs,cache,window,softcap,tree", CASES)
 def test_reference_matches_naive_loops(q_lens, seq_lens, hkv, g, bs, cache, window, softcap, tree):
-    batch = make_paged_batch(q_lens, seq_lens, hkv, g, 16, bs, CACHE_DTYPES[cache], sliding_window=window, tree=tree)
+    batch = make_paged_batch(q_lens, seq_lens, hkv, g, 16, bs, CACHE_DTYPES[cache], sliding_window=window,
+                             tree=bool(tree), tree_starts=tree == "starts")
     for stats_window in (None, 2):
         out, stats = paged_attention_ref(
             *batch.args(), window, softcap, batch.k_scale, batch.v_scale,
-            tree_mask=batch.tree_mask, return_stats=True, stats_window=stats_window,
+            tree_mask=batch.tree_mask, tree_starts=batch.tree_starts, return_stats=True, stats_window=stats_window,
         )
         want_out, want_stats = naive_attention(batch, window, softcap, stats_window)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
