@@ -34,8 +34,14 @@ Three parts, kept apart from the dense path:
   summaries of the tokens up to its own position: the persistent summaries hold only committed keys
   (the drafts' keys are held aside as tentative, per layer) and each row folds in the tentative keys
   of its own sequence up to itself. Verification then commits the accepted drafts' keys into the
-  summaries (`accept`); a rejected token leaves nothing behind. Token trees are refused (a node's
-  ancestors sit in slots plain decoding would place elsewhere, so its pages are not plain decoding's).
+  summaries (`accept`); a rejected token leaves nothing behind.
+- Token trees (SpecInfer): a node's row is defined by position, the root's cache index R plus its depth,
+  with its ancestors as the tokens before it: it scores the pages visible at R + depth, its ancestors'
+  tentative keys folded into the pages of their plain positions. Its nodes sit in tentative slots in
+  preorder, so its reduced table is the selected pages before the root's page, then its tree's pages,
+  under a tree mask that starts where the selected pages end (`AttentionPlan.tree_starts`) and shows
+  what plain decoding would read there. `accept(rejected, kept)` enters the accepted path's keys at the
+  slots plain decoding gives them (where `PagedKV.move_path` moves their K/V).
 
 Per-step index work is tensor work once per layer (no per-token Python); the per-group tables are
 built once per step. Per-KV-head selection is not possible here: a sequence's table is shared by
@@ -197,33 +203,50 @@ class SparseRead:
     # -- once per step -----------------------------------------------------------
     def begin_step(self, seqs: list, num_new_tokens: list[int], plans: list[AttentionPlan]) -> SparseStep | None:
         """Before the step writes anything: recompute pages a compaction or a copy rewrote; then which rows
-        decode (one generated token, or a verify step's last token and chain of drafts, whose drafts'
-        keys stay tentative until `accept`)."""
+        decode (one generated token, or a verify step's last token and its drafts: a chain, or a token
+        tree's nodes in preorder, whose keys stay tentative until `accept`)."""
         if self.summaries.stale:
             self._refresh(plans)
         self._tentative, self.pending, self._drafted = None, {}, []
         decode = [not s.is_scoring and s.num_computed_tokens >= s.num_prompt_tokens
-                  and n == 1 + len(s.draft_token_ids) and not s.draft_parents
-                  for s, n in zip(seqs, num_new_tokens)]
+                  and n == 1 + len(s.draft_token_ids) for s, n in zip(seqs, num_new_tokens)]
+        trees = {b: [-1] + [p + 1 for p in s.draft_parents] for b, (s, d) in enumerate(zip(seqs, decode))
+                 if d and s.draft_parents}  # batch row -> parents over the root (node 0) and its nodes
         tentative, start = [], 0
-        for s, n, d in zip(seqs, num_new_tokens, decode):
+        for b, (s, n, d) in enumerate(zip(seqs, num_new_tokens, decode)):
             if d and n > 1:  # packed tokens start + 1 .. start + n - 1: the drafts
                 tentative += range(start + 1, start + n)
-                self._drafted.append((s.seq_id, n - 1))
+                self._drafted.append((s.seq_id, n - 1, b in trees))
             start += n
         if tentative:
             self._tentative = torch.tensor(tentative, dtype=torch.int64, device=self.summaries.bounds[0].device)
-        return SparseStep(self, decode) if any(decode) else None
+        return SparseStep(self, decode, trees) if any(decode) else None
 
-    def accept(self, rejected: dict[int, int]) -> None:
-        """Verification ran: each verified sequence's accepted drafts (its k drafts less `rejected[seq_id]`)
-        enter the summaries, as plain decoding would have written them; rejected ones leave nothing."""
+    def accept(self, rejected: dict[int, int], kept: dict[int, list[int]] | None = None) -> None:
+        """Verification ran: each verified sequence's accepted drafts enter the summaries, as plain decoding
+        would have written them; rejected ones leave nothing. A chain keeps its k drafts less
+        `rejected[seq_id]`; a token tree keeps the path `kept[seq_id]` = [0, n1, n2, ...] (its root's row,
+        then the accepted nodes by depth: kvlab.speculation.speculator.Speculator.kept_rows), node n_j's key
+        entering the summary at the slot after the root's j - 1 drafts, where plain decoding writes it (and
+        `PagedKV.move_path` moves it)."""
         if self._tentative is None:
             return
-        keep = [i < k - rejected.get(seq_id, 0) for seq_id, k in self._drafted for i in range(k)]
-        keep_t = torch.tensor(keep, dtype=torch.bool, device=self._tentative.device)  # [Tp]
+        src, dst, first = [], [], 0  # into the step's tentative tokens: whose key, at whose slot
+        for seq_id, k, tree in self._drafted:
+            if tree:
+                if kept is None or seq_id not in kept:
+                    raise ValueError(f"sequence {seq_id} verified a token tree: its accepted path (kept) is needed")
+                nodes = kept[seq_id][1:]
+            else:
+                nodes = list(range(1, k - rejected.get(seq_id, 0) + 1))
+            src += [first + n - 1 for n in nodes]
+            dst += [first + j for j in range(len(nodes))]
+            first += k
+        dev = self._tentative.device
+        src_t = torch.tensor(src, dtype=torch.int64, device=dev)  # [A]
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)  # [A]
         for layer, (key, slots) in self.pending.items():
-            self.summaries.update(self.cache.slot_of[layer], key[keep_t], slots[keep_t])
+            self.summaries.update(self.cache.slot_of[layer], key.index_select(0, src_t), slots.index_select(0, dst_t))
         self._tentative, self.pending, self._drafted = None, {}, []
 
     def _refresh(self, plans: list[AttentionPlan]) -> None:
@@ -244,30 +267,53 @@ class SparseRead:
             self.summaries.refresh(pages, counts, lambda s, slots: cache.read_slots(layers[s], slots, dtype)[0])
 
 
+def tree_paths(parents: list[int] | None, n: int) -> list[list[int]]:
+    """Each of a verify step's n rows -> the drafts it sees after its root, by depth (row i's ancestors and
+    itself among nodes 1..n-1; row 0, the root, sees none): a chain's row i sees 1..i; a token tree's
+    (`parents` over the root, node 0, and its nodes in preorder) its path from the root."""
+    if parents is None:
+        return [list(range(1, i + 1)) for i in range(n)]
+    paths = [[]]
+    for i in range(1, n):
+        paths.append(paths[parents[i]] + [i])
+    return paths
+
+
 class _Rows:
     """One layer group's sparse rows for one step (host lists and device tensors, built once).
 
     A decoding sequence's query rows: one for a plain decode, k + 1 for a verify step (its last token,
-    then its drafts), row i at cache index `start + i` seeing the cache up to itself. In the reduced plan
-    each of a verify step's rows is a row of its own (one query, its own table); other sequences keep
-    their one row. A query row whose visible pages exceed the budget is sparse (`rows`)."""
+    then its drafts). Row i is defined by the position plain decoding would give it: the root's cache
+    index R plus its depth (a chain's row i: R + i; a token tree's node: R + its depth, its ancestors
+    before it), and sees the cache up to there. In the reduced plan each of a verify step's rows is a row of
+    its own (one query, its own table); other sequences keep their one row. A query row whose visible pages
+    exceed the budget is sparse (`rows`).
+
+    A token tree's nodes sit in tentative slots R + 1 .. R + k in preorder, not where plain decoding puts
+    them, so a sparse tree row's table is the selected pages before the root's page, then its tree's pages
+    from the root's on (`tail`), and a tree mask from `tree_starts` (the end of the selected pages) shows
+    it, of those, what plain decoding would read: the root page's committed tokens if that page is selected,
+    and each ancestor (and itself) if the page its plain position falls in is selected (`mask_rows`)."""
 
     def __init__(self, plan: AttentionPlan, decode: list[bool], pages: int, null_page: int,
-                 pending: torch.Tensor | None):
+                 pending: torch.Tensor | None, trees: dict[int, list[int]] | None = None):
         bs, dev = plan.block_size, plan.device
+        trees = trees or {}
         tables = [list(t) for t in plan.block_tables]
         q_lens = plan.q_lens
         # the reduced plan's rows: (batch row, query index or None for the whole chunk), seq_len, table
-        out, cu, lens = [], [0], []
+        out, cu, lens, paths = [], [0], [], []
         for b, table in enumerate(tables):
             if decode[b]:
                 start = plan.seq_lens[b] - q_lens[b]
-                for i in range(q_lens[b]):
+                for i, path in enumerate(tree_paths(trees.get(b), q_lens[b])):
                     out.append((b, i))
-                    lens.append(start + i + 1)
+                    paths.append(path)
+                    lens.append(start + len(path) + 1)  # plain decoding's length at the row: R + depth + 1
                     cu.append(cu[-1] + 1)
             else:
                 out.append((b, None))
+                paths.append(None)
                 lens.append(plan.seq_lens[b])
                 cu.append(plan.cu_seqlens_q[b + 1])
         nb = [-(-n // bs) for n in lens]
@@ -289,25 +335,31 @@ class _Rows:
         self.last = torch.tensor([nb[r] - 1 for r in self.rows], dtype=torch.int64, device=dev)  # [S]
         self.q_index = torch.tensor([cu[r] for r in self.rows], dtype=torch.int64, device=dev)
         self.row_index = torch.tensor(self.rows, dtype=torch.int64, device=dev)
-        self._fold(plan, decode, out, q_lens, width, pending, bs, dev)
-        # the reduced plan: `pages` pages per sparse row, the newest (partial) one last
+        self._fold(plan, decode, out, paths, q_lens, width, pending, bs, dev)
+        # what plain decoding reads: `pages` pages per sparse row, the newest (partial) one last
+        plain = {r: (pages - 1) * bs + lens[r] - (nb[r] - 1) * bs for r in self.rows}
         self.cu_seqlens_q = cu
-        self.seq_lens = [(pages - 1) * bs + lens[r] - (nb[r] - 1) * bs if r in sparse else lens[r]
-                         for r in range(len(out))]
+        self.seq_lens = [plain[r] if r in sparse else lens[r] for r in range(len(out))]
         full = [tables[b][: nb[r]] if i is not None else tables[b] for r, (b, i) in enumerate(out)]
-        self.width = max([pages] + [len(t) for r, t in enumerate(full) if r not in sparse])
+        tails = [[] for _ in self.rows]
+        self.tree_mask = None
+        if any(out[r][0] in trees for r in range(len(out)) if out[r][1] is not None):
+            self._tree(plan, out, paths, trees, tables, full, tails, pages, bs, dev)
+        self.width = max([pages + len(t) for t in tails] + [len(t) for r, t in enumerate(full) if r not in sparse])
         self.full = torch.tensor([t[: self.width] + [NULL_BLOCK] * (self.width - len(t[: self.width]))
                                   for t in full], dtype=torch.int64, device=dev)  # [B', W]
-        self.pad = torch.full((len(self.rows), self.width - pages), NULL_BLOCK, dtype=torch.int64, device=dev)
+        self.tail = torch.tensor([t + [NULL_BLOCK] * (self.width - pages - len(t)) for t in tails],
+                                 dtype=torch.int64, device=dev)  # [S, W - pages]
         self.every_row = self.rows == list(range(len(out))) and self.width == pages
-        self.tokens_read = sum(self.seq_lens[r] for r in self.rows)
+        self.tokens_read = sum(plain.values())
         self.tokens_cached = sum(lens[r] for r in self.rows)
-        self.max_read = max(self.seq_lens[r] for r in self.rows)
+        self.max_read = max(plain.values())
 
-    def _fold(self, plan, decode, out, q_lens, width, pending, bs, dev) -> None:
+    def _fold(self, plan, decode, out, paths, q_lens, width, pending, bs, dev) -> None:
         """Verify rows: which summary entries hold no committed key yet (`uncommitted` [S, NB]), and which
         tentative keys each sparse row folds in (`fold_src` [P] into the step's drafts, `fold_dst` [P]
-        into the flattened [S * NB]): its own sequence's drafts up to itself."""
+        into the flattened [S * NB]): its own sequence's drafts up to itself (a tree node: its ancestors
+        and itself), each in the page of the position plain decoding gives it."""
         self.fold_src = self.fold_dst = self.uncommitted = None
         if pending is None:
             return
@@ -321,9 +373,9 @@ class _Rows:
             b, i = out[r]
             start = plan.seq_lens[b] - q_lens[b]
             committed.append(start + 1)  # the sequence's last token (row 0) is committed; its drafts are not
-            for t in range(1, i + 1):
-                src.append(offset[b] + t - 1)
-                dst.append(s * width + (start + t) // bs)
+            for depth, node in enumerate(paths[r], start=1):
+                src.append(offset[b] + node - 1)
+                dst.append(s * width + (start + depth) // bs)
         if not src:
             return
         self.fold_src = torch.tensor(src, dtype=torch.int64, device=dev)
@@ -331,13 +383,83 @@ class _Rows:
         c = torch.tensor(committed)[:, None]
         self.uncommitted = (torch.arange(width)[None, :] * bs >= c).to(dev)  # [S, NB]
 
+    def _tree(self, plan, out, paths, trees, tables, full, tails, pages, bs, dev) -> None:
+        """Token trees in the reduced plan: every row's tree-mask row and start (`base_mask` [T, W],
+        `tree_starts`), sparse tree rows' tails (their tree's pages) and what decides each of their mask
+        columns (`col_page` [St, Wt]: the table position whose selection shows it; `col_seen` [St, Wt]: it is
+        the root page's committed part or an ancestor); a dense tree row reads its table up to its own slot
+        under its ancestor mask, as the step's plan had it."""
+        sparse = {r: s for s, r in enumerate(self.rows)}
+        q_lens = plan.q_lens
+        widths, starts, rows_of = [], [], []  # per reduced row: mask columns from its start; its start
+        for r, (b, i) in enumerate(out):
+            root = plan.seq_lens[b] - q_lens[b]
+            if i is None or b not in trees:  # every key visible (the causal rule still applies)
+                n = self.seq_lens[r]
+                starts.append(n - (q_lens[b] if i is None else 1))
+                widths.append(n - starts[-1])
+                continue
+            seen = set(paths[r])
+            if r not in sparse:  # dense: its table up to its own tentative slot R + i, masked to its path
+                full[r] = tables[b][: -(-(root + i + 1) // bs)]
+                self.seq_lens[r] = root + i + 1
+                starts.append(root)
+                rows_of.append((r, [True] + [a in seen for a in range(1, i + 1)]))
+                widths.append(i + 1)
+                continue
+            first, off = root // bs, root % bs  # the root's page (table position) and slot in it
+            tails[sparse[r]] = tables[b][first : first + -(-(off + i + 1) // bs)]
+            self.seq_lens[r] = pages * bs + off + i + 1
+            starts.append(pages * bs)
+            widths.append(off + i + 1)
+            depth = {a: d for d, a in enumerate(paths[r], start=1)}
+            cols = [(first, True)] * (off + 1) + [((root + depth[a]) // bs, True) if a in depth else (0, False)
+                                                 for a in range(1, i + 1)]
+            rows_of.append((r, cols))
+        tokens = torch.tensor(self.cu_seqlens_q[:-1])
+        mask = torch.ones(plan.num_tokens, max(widths), dtype=torch.bool)  # [T, W]
+        tree_rows, col_page, col_seen = [], [], []
+        wt = max([widths[r] for r, _ in rows_of if r in sparse], default=0)
+        for r, cols in rows_of:
+            t = int(tokens[r])
+            if r in sparse:
+                tree_rows.append((sparse[r], t))
+                col_page.append([c for c, _ in cols] + [0] * (wt - len(cols)))
+                col_seen.append([v for _, v in cols] + [False] * (wt - len(cols)))
+            else:
+                mask[t, : len(cols)] = torch.tensor(cols)
+        self.tree_mask, self.tree_starts = mask.to(dev), starts
+        self.tree_sparse = torch.tensor([s for s, _ in tree_rows], dtype=torch.int64, device=dev)  # [St] into rows
+        self.tree_tokens = torch.tensor([t for _, t in tree_rows], dtype=torch.int64, device=dev)  # [St]
+        self.col_page = torch.tensor(col_page, dtype=torch.int64, device=dev).view(len(tree_rows), wt)
+        self.col_seen = torch.tensor(col_seen, dtype=torch.bool, device=dev).view(len(tree_rows), wt)
+        root_page = torch.full((len(self.rows),), 1 << 30, dtype=torch.int64)  # [S] chain rows: never
+        for s, _ in tree_rows:
+            b = out[self.rows[s]][0]
+            root_page[s] = (plan.seq_lens[b] - q_lens[b]) // bs
+        self.root_page = root_page.to(dev)
+
+    def mask_rows(self, chosen: torch.Tensor) -> torch.Tensor:
+        """chosen [S, K] table positions each sparse row selected -> the reduced plan's tree mask [T, W]: a
+        sparse tree row sees a column when it is the root page's committed part or an ancestor, and the page
+        plain decoding would hold it in is selected."""
+        picked = torch.zeros(self.table.shape, dtype=torch.bool, device=chosen.device)  # [S, NB]
+        picked.scatter_(1, chosen, True)
+        if not self.tree_tokens.numel():
+            return self.tree_mask
+        seen = self.col_seen & picked.index_select(0, self.tree_sparse).gather(1, self.col_page)  # [St, Wt]
+        mask = self.tree_mask.clone()
+        mask[self.tree_tokens, : seen.shape[1]] = seen
+        return mask
+
 
 class SparseStep:
     """One step's sparse reads: `plan(layer, q, plan, scale)` -> the plan that layer's attention runs."""
 
-    def __init__(self, reader: SparseRead, decode: list[bool]):
+    def __init__(self, reader: SparseRead, decode: list[bool], trees: dict[int, list[int]] | None = None):
         self.reader = reader
         self.decode = decode
+        self.trees = trees or {}  # batch row -> parents (node 0 the root) of the token tree it verifies
         self._rows: dict[int, _Rows] = {}  # id(plan) -> rows (plans live for the step)
         self.selected: dict[int, torch.Tensor] = {}  # layer -> [S, K] table positions read (for inspection)
 
@@ -345,7 +467,7 @@ class SparseStep:
         key = id(plan)
         if key not in self._rows:
             self._rows[key] = _Rows(plan, self.decode, self.reader.pages, self.reader.summaries.null_page,
-                                    self.reader._tentative)
+                                    self.reader._tentative, self.trees)
         return self._rows[key]
 
     def bounds(self, layer: int, rows: _Rows) -> torch.Tensor:
@@ -363,9 +485,10 @@ class SparseStep:
 
     def plan(self, layer: int, q: torch.Tensor, plan: AttentionPlan, scale: float) -> AttentionPlan:
         """q [T, Hq, D] this step's queries of `layer`; returns `plan` with each decoding query row's table
-        reduced to the pages the policy selects (rows that fit in the budget read everything)."""
-        if plan.sliding_window is not None or plan.tree_mask is not None or not self.reader.policy.reads_sparsely(layer):
-            return plan  # a window already bounds the read; trees (speculation) are refused at engine build
+        reduced to the pages the policy selects (rows that fit in the budget read everything; a token
+        tree's rows under a tree mask showing what plain decoding would read)."""
+        if plan.sliding_window is not None or not self.reader.policy.reads_sparsely(layer):
+            return plan  # a window already bounds the read (a tree is cut to a chain where one could matter)
         rows = self.rows(plan)
         if rows.empty:
             return plan
@@ -377,16 +500,21 @@ class SparseStep:
         chosen = scores.topk(k, dim=1).indices.sort(dim=1).values  # [S, K] table positions, ascending
         self.selected[layer] = chosen
         reduced = rows.table.gather(1, chosen)  # [S, K]
+        tree_mask = None
+        if rows.tree_mask is not None:  # a tree row's selected pages from its root's on are read through its tail
+            reduced = reduced.masked_fill(chosen >= rows.root_page[:, None], NULL_BLOCK)
+            tree_mask = rows.mask_rows(chosen)
         if rows.every_row:  # all rows decode past the budget: the reduced rows are the table
             tables = reduced
         else:
-            tables = rows.full.index_copy(0, rows.row_index, torch.cat([reduced, rows.pad], dim=1))  # [B', W]
+            tables = rows.full.index_copy(0, rows.row_index, torch.cat([reduced, rows.tail], dim=1))  # [B', W]
         reader.reads += len(rows.rows)
         reader.tokens_read += rows.tokens_read
         reader.tokens_cached += rows.tokens_cached
         reader.max_tokens_read = max(reader.max_tokens_read, rows.max_read)
         return plan_paged_attention(rows.cu_seqlens_q, rows.seq_lens, tables, plan.block_size, None, plan.device,
-                                    null_block=plan.null_block)
+                                    tree_mask=tree_mask, null_block=plan.null_block,
+                                    tree_starts=None if tree_mask is None else rows.tree_starts)
 
 
 def check_engine(policy, config) -> None:

@@ -183,11 +183,10 @@ class KVCache:
     # -- token trees: tentative slots (kvlab.cache.paged_kv.PagedKV.move_path) -------------------
     def move_tentative(self, moves: list[tuple[int, int]]) -> None:
         """A tree's accepted path: tentative slot src -> slot dst, every bit as written (packed pages: in open
-        pages' full-precision rows, or a token-local codec's codes and scales), all reads before writes."""
+        pages' full-precision rows, or a token-local codec's codes and scales), all reads before writes. Page
+        summaries are not told: a sparse read's `accept` enters the path's keys, as computed, at `dst`."""
         if not moves:
             return
-        if self.sparse_read is not None:
-            self.sparse_read.moved(moves)
         self.layout.move_tentative(moves)
 
     def clear_slots(self, slots: list[int]) -> None:

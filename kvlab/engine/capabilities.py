@@ -101,14 +101,6 @@ REFUSED: list[Refusal] = [
             lambda c: f"policy {c.policy!r} reads selected pages at decode and asks for attention statistics; the "
                       f"statistics of a reduced read are not collected yet",
             NotImplementedError),
-    Refusal("sparse reading with a token-tree draft",
-            "a tree node's ancestors sit in slots plain decoding would place elsewhere",
-            lambda c: c.sparse_read and c.moves_kv_slots,
-            lambda c: f"policy {c.policy!r} reads selected pages at decode; a token tree (draft={c.draft!r}) "
-                      f"computes each node after its ancestors' tentative slots, not at the cache indices plain "
-                      f"decoding gives them, so its rows cannot read the pages plain decoding would select; use "
-                      f"a chain draft (ngram, model, layerskip) or draft=None",
-            NotImplementedError),
     Refusal("a compressing policy with an allocator that cannot compact", "compaction rewrites block tables",
             lambda c: c.compacts and not c.allocator_compacts,
             lambda c: f"policy {c.policy!r} compacts block tables, which the {c.allocator!r} allocator cannot do "

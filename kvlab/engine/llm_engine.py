@@ -288,7 +288,8 @@ class LLMEngine:
         """The forward pass ran: advance the batch's token progress, compress the sequences due, then
         fork the new samples from what the policy kept."""
         if self.cache.sparse_read is not None:  # the accepted drafts' keys enter the page summaries
-            self.cache.sparse_read.accept(rejected or {})
+            kept = self.speculator.kept_rows if self.speculator else None  # a token tree's accepted path
+            self.cache.sparse_read.accept(rejected or {}, kept)
         self.scheduler.advance(batch, rejected)
         self._record_step(batch.num_preempted)  # before compression: the step's peak of pages held
         if self.compressor:

@@ -17,8 +17,6 @@ MISSING = "does-not-exist"  # a model that cannot load: an error about the combi
 SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
-    "sparse reading with a token-tree draft": (dict(policy="quest", policy_args={"budget": 64}, draft="tree"),
-                                               dict(policy="quest", policy_args={"budget": 64}, draft="ngram")),
     "a compressing policy with an allocator that cannot compact": (
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, allocator="test-cannot-compact"),
         dict(policy="full", allocator="test-cannot-compact")),
@@ -117,11 +115,23 @@ def test_the_design_note_lists_the_deviations():
 def test_the_sparse_read_with_statistics_refusal_applies_only_to_that_pair():
     import dataclasses
 
-    base = _caps(CASES["sparse reading with a token-tree draft"][1])
+    base = _caps(dict(policy="quest", policy_args={"budget": 64}, draft="ngram"))
     r = refusal("sparse reading with accumulated attention statistics")
     assert not r.applies(base)
     assert r.applies(dataclasses.replace(base, accumulated_attention=True))
     assert not r.applies(dataclasses.replace(base, accumulated_attention=True, sparse_read=False))
+
+
+@pytest.mark.parametrize("policy, args", [("quest", {"budget": 64}), ("rocketkv", {"budget": 64, "window_size": 8})])
+def test_sparse_reading_with_a_token_tree_passes_the_table(policy, args):
+    """Once refused (a tree node's ancestors sit in slots plain decoding would place elsewhere): its rows now
+    read what plain decoding would (kvlab.policies.sparse_read), so nothing in the table applies."""
+    caps = _caps(dict(policy=policy, policy_args=args, draft="tree"))
+    assert caps.sparse_read and caps.moves_kv_slots
+    assert not [r.name for r in REFUSED if r.applies(caps)]
+    with pytest.raises(Exception) as info:  # it gets as far as loading the model
+        LLM(MISSING, block_size=16, policy=policy, policy_args=args, draft="tree")
+    assert MISSING in str(info.value), info.value
 
 
 def test_a_format_only_the_torch_backend_reads_is_refused_on_triton_only():

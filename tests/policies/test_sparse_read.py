@@ -25,6 +25,7 @@ from kvlab.kernels import ops  # noqa: E402
 from kvlab.cache.kv_cache import KVCache  # noqa: E402
 from kvlab.registry import POLICIES, QUANT_FORMATS  # noqa: E402
 from kvlab.policies.sparse_read import SparseRead, SparseStep  # noqa: E402
+from kvlab.speculation.tree_verifier import ancestor_mask  # noqa: E402
 from kvlab.testing import check_combination, check_policy  # noqa: E402
 from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS, SPARSE_ARGS, TINY  # noqa: E402
 from kvlab.testing.combinations import shared_prompts  # noqa: E402
@@ -227,6 +228,60 @@ def test_verify_rows_select_and_read_what_sequential_decode_rows_do(quant, backe
     assert torch.equal(verify.sparse_read.summaries.bounds[1][table[:held]], after[k - rejected][:held])
 
 
+# a token tree (drafts' parents, -1 = the root) crossing pages: a first-child chain of depth 4, side branches
+TREE_PARENTS = [-1, 0, 1, 2, 1, 0, -1, 6]  # nodes 1..8 in preorder: depths 1 2 3 4 3 2 1 2
+
+
+@pytest.mark.parametrize("quant, backend", [("fp32", "torch"), ("int4", "torch"), ("fp32", "triton")])
+@pytest.mark.parametrize("path", [[], [1, 2, 3, 4], [1, 2, 5], [1, 6], [7, 8]])  # the accepted path (by depth)
+def test_tree_rows_select_and_read_what_plain_decoding_does_at_their_position(quant, backend, path):
+    """A token tree's 9 rows (root at cache index 25, nodes in tentative slots 26..33 in preorder) each select,
+    and read, what plain decoding selects at the node's position (root + depth) with the node's ancestors as
+    the tokens before it: its own plain cache is built for every node. After verification the summaries
+    equal plain decoding's of the accepted path (rejected nodes, side branches included, leave nothing)."""
+    g = torch.Generator().manual_seed(5)
+    table = torch.randperm(60, generator=g)[:9].tolist()
+    n0, k = 25, len(TREE_PARENTS)
+    parents = [-1] + [p + 1 for p in TREE_PARENTS]  # over the root (node 0) and the nodes
+    paths = [[]]
+    for i in range(1, k + 1):
+        paths.append(paths[parents[i]] + [i])
+    keys = torch.randn(n0 + 1 + k, HKV, D, generator=g) * torch.rand(n0 + 1 + k, 1, 1, generator=g) * 3
+    queries = torch.randn(k + 1, HKV * G, D, generator=g) * 3  # node i's query
+    stale = torch.randn(64 * BS, HKV, D, generator=g) * 9
+    want_sel, want_out, after = [], [], {}
+    for i in range(k + 1):  # plain decoding at node i: committed prompt and root, then its ancestors, then itself
+        plain = make_cache(4 * BS, quant)
+        plain.store(1, stale, torch.zeros_like(stale), torch.arange(64 * BS))
+        seq = torch.cat([keys[: n0 + 1], keys[[n0 + a for a in paths[i]]]])  # [n0 + 1 + depth, Hkv, D]
+        write(plain, 1, table, seq[:-1], seq[:-1])
+        _, selected, _, out = one_step(plain, table, seq, queries[i : i + 1], len(seq) - 1, backend=backend)
+        want_sel.append(selected[0].tolist())
+        want_out.append(out[0])
+        after[i] = plain.sparse_read.summaries.bounds[1][table].clone()  # [9, Hkv, 2D]
+    verify = make_cache(4 * BS, quant)
+    verify.store(1, stale, torch.zeros_like(stale), torch.arange(64 * BS))
+    write(verify, 1, table, keys[:n0], keys[:n0])
+    seq = SimpleNamespace(seq_id=7, is_scoring=False, num_computed_tokens=n0, num_prompt_tokens=8,
+                          draft_token_ids=[0] * k, draft_parents=TREE_PARENTS)
+    plan = plan_paged_attention([0, k + 1], [n0 + k + 1], [table], BS, None, "cpu", null_block=verify.null_page,
+                                tree_mask=ancestor_mask(parents))
+    step = verify.sparse_read.begin_step([seq], [k + 1], [plan])
+    slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(n0, n0 + k + 1)])
+    verify.store(1, keys[n0:], keys[n0:], slots)
+    reduced = step.plan(1, queries, plan, SCALE)
+    with ops.backend(backend):
+        out = ops.run_paged_attention(queries, verify.k(1), verify.v(1), reduced, SCALE)
+    assert reduced.cu_seqlens_q == tuple(range(k + 2)) and reduced.tree_starts is not None
+    assert step.selected[1].tolist() == [s for i, s in enumerate(want_sel) if -(-(n0 + 1 + len(paths[i])) // BS) > 4]
+    assert len({tuple(s) for s in want_sel}) > 1  # the rows select differently: a per-row selection matters
+    torch.testing.assert_close(out, torch.stack(want_out), atol=1e-5, rtol=1e-5)
+    verify.sparse_read.accept({7: k - len(path)}, {7: [0] + path})
+    node = path[-1] if path else 0
+    held = (n0 + len(path)) // BS + 1  # the pages holding committed tokens (the rest keep stale content)
+    assert torch.equal(verify.sparse_read.summaries.bounds[1][table[:held]], after[node][:held])
+
+
 # -- sparse reading meets formats, drafts and prefix hits (kvlab.testing.check_combination) ------------
 SPARSE = {"quest": SPARSE_ARGS["quest"], "rocketkv": POLICY_ARGS["rocketkv"]}  # every layer sparse
 ROUNDING = "runs outside the contract: a rounding format under a changing schedule; "  # the only deviation allowed
@@ -236,7 +291,7 @@ FORMATS = {"int4": {"quant": "int4"}, "int8": {"quant": "int8"}, "fp8_e4m3": {"q
            "fp8_e5m2 calibrated": {"quant": "fp8_e5m2", "quant_args": {"scaling": "fixed", "scale": 0.5}}}
 MEETS = {"none": {},  # radix: a compacting policy (rocketkv) copies a hit's pages (keeping them whole is a deviation)
          "radix": {"enable_prefix_caching": True, "prefix_cache": "radix", "prefix_keep_shared": False},
-         **{d: {"draft": d, "draft_args": DRAFT_ARGS[d]} for d in ("ngram", "model", "layerskip")}}
+         **{d: {"draft": d, "draft_args": DRAFT_ARGS[d]} for d in ("ngram", "model", "layerskip", "tree")}}
 
 
 def sparse_combo(policy: str, *parts: str, **kw) -> dict:
@@ -452,7 +507,26 @@ def test_bad_sparse_policy_input_fails_before_the_model_loads(name, args, messag
         LLM("does-not-exist", policy=name, policy_args=args, block_size=16)
 
 
-def test_sparse_policy_with_a_token_tree_is_refused():
-    with pytest.raises(NotImplementedError, match="token tree"):  # before the (missing) model loads
-        LLM("does-not-exist", policy="quest", policy_args={"budget": 64}, draft="tree",
-            draft_args={"layers": 1, "width": 2, "depth": 2}, block_size=16)
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("policy", sorted(SPARSE))
+def test_token_trees_verify_under_sparse_reading_exactly(policy, monkeypatch):
+    """A token tree over sparse reading (once refused): its nodes' rows are reduced reads under a tree mask
+    (tree_starts), some nodes are rejected, and greedy output equals the same cache without the draft, batched,
+    chunked and preempted alike, the pool draining every time (check_combination)."""
+    reduced_trees = []
+    plan = SparseStep.plan
+
+    def spy(self, layer, q, step_plan, scale):
+        got = plan(self, layer, q, step_plan, scale)
+        reduced_trees.append(got.tree_starts is not None and got is not step_plan)
+        return got
+
+    monkeypatch.setattr(SparseStep, "plan", spy)
+    llm = LLM(TINY, kv_cache_memory="4MiB", **sparse_combo(policy, "tree"))
+    batch, _ = shared_prompts(llm.model_config.vocab_size)
+    llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["spec_tree_nodes"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    assert any(reduced_trees)  # tree rows read selected pages
+    monkeypatch.setattr(SparseStep, "plan", plan)
+    assert check_combination(**sparse_combo(policy, "tree")) == "exact"
