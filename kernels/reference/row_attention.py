@@ -9,7 +9,8 @@ each is `scaled_dot_product_attention` of one query ([1, Hkv, g, D]) over its ow
 What a row reads is defined by its own cache index c (token time), not by the step:
 - the keys the plan shows it (causal, sliding window, released pages, tree mask: the reference's masks);
 - with a format that keeps a residual window of R tokens, page j as its stored codes (dequantised) when
-  it had left the window at c ((j + 1) * block_size <= c + 1 - R), and in full precision otherwise,
+  it had left the window at c ((j + 1) * block_size <= c + 1 - R), and in full precision otherwise (c: where
+  plain decoding puts the row, so a token tree's node counts its depth, `offsets`, not its tentative slot),
   even if a later row of the same step has since sealed it. `before` holds the pages as they were
   before this step's store (open pages: their residual rows, exact); this step's own new keys are
   taken from the layer's keys, rounded through the residual rows' dtype as a later read would be.
@@ -58,6 +59,8 @@ def row_attention(
     new: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's (key, value) [T, Hkv, D] (with `residual`)
     residual_dtype: torch.dtype | None = None,  # dtype of the residual rows (full-precision reads round to it)
     base: AttentionPlan | None = None,  # the step's plan, when `plan` is a sparse read's reduction of it
+    offsets: list[int] | None = None,  # [T] each query's offset in token time from its sequence's first new
+    # token (a token tree's node: its depth, not its preorder slot; None: its place in the chunk)
 ) -> torch.Tensor:
     """Attention output [T, Hq, D], each row alone (see the module docstring)."""
     out = q.new_empty(q.shape)
@@ -79,7 +82,8 @@ def row_attention(
                 k, v = k_now[b_local][:, visible], v_now[b_local][:, visible]  # [Hkv, n, D]
                 if residual is not None:
                     keys, start, first_token = where[b_local]
-                    c = start + token0 + qi - first_token  # the row's own cache index in its sequence
+                    t = token0 + qi  # the row's own cache index in its sequence, in token time
+                    c = start + (t - first_token if offsets is None else offsets[t] - offsets[first_token])
                     stored = ((keys[visible] // bs + 1) * bs <= c + 1 - residual)[None, :, None]  # left the window at c
                     k = torch.where(stored, k, k_full[b_local][:, visible])
                     v = torch.where(stored, v, v_full[b_local][:, visible])

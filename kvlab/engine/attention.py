@@ -22,6 +22,7 @@ from kvlab.kernels import ops
 from kvlab.kernels.reference.row_attention import open_before, row_attention
 from kvlab.cache.kv_cache import KVCache
 from kvlab.policies.sparse_read import SparseStep
+from kvlab.speculation.tree_verifier import tree_depths
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
 
@@ -37,6 +38,8 @@ class StepMetadata:
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
     sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
     batch_invariant: bool = False  # every query row attends alone (kvlab.engine.batch_invariant)
+    offsets: list[int] | None = None  # batch-invariant: [T] each token's offset in token time in its chunk (a tree
+    # node: its depth), where plain decoding places the row (kernels/reference/row_attention.py)
     before: dict[tuple[int, int], tuple] = field(default_factory=dict)  # batch-invariant, residual window: (layer,
     # group) -> the pages
     # the step seals as they were before it (kernels/reference/row_attention.py open_before)
@@ -73,7 +76,22 @@ def plan_step(seqs: list, num_new_tokens: list[int], block_manager: BlockManager
     cache.begin_step(mappings, seals if cache.residual is not None else None)
     sparse = cache.sparse_read.begin_step(seqs, num_new_tokens, plans) if cache.sparse_read is not None else None
     return StepMetadata(cache=cache, slot_mapping=mappings, plans=plans, sparse=sparse,
-                        batch_invariant=batch_invariant, before=before)
+                        batch_invariant=batch_invariant, before=before,
+                        offsets=token_offsets(seqs, num_new_tokens) if batch_invariant else None)
+
+
+def token_offsets(seqs: list, num_new_tokens: list[int]) -> list[int]:
+    """[T] each new token's offset from its chunk's first in token time: its place in the chunk, except a token
+    tree's nodes (the last k of a verify chunk, in preorder), which sit at the root's offset plus their depth."""
+    offsets = []
+    for seq, n in zip(seqs, num_new_tokens):
+        k = len(seq.draft_token_ids)
+        if seq.draft_parents[:k] and n == 1 + k:
+            depths = tree_depths([-1] + [p + 1 for p in seq.draft_parents[:k]])
+            offsets += list(range(n - k)) + [n - k - 1 + d for d in depths[1:]]
+        else:
+            offsets += list(range(n))
+    return offsets
 
 
 def plan_view(tables: list[list[list[int]]], lens: list[list[int]], block_manager: BlockManager, cache: KVCache,
@@ -196,7 +214,7 @@ def rows_alone(meta: StepMetadata, layer: int, group: int, head: int | None, q, 
     out = row_attention(q, cache.k(layer), cache.v(layer), plan, scaling, softcap, *scales,
                         residual=residual, before=meta.before.get((layer, group)), new=(key, value),
                         residual_dtype=None if residual is None else cache.quant.residual_storage_dtype(q.dtype),
-                        base=base)
+                        base=base, offsets=meta.offsets)
     if meta.collect_stats:  # the policy's statistics from the reference (their sums are not made row-invariant)
         from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
 

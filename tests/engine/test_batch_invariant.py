@@ -63,18 +63,28 @@ def record_logits(llm: LLM) -> dict[tuple[int, ...], torch.Tensor]:
     run = runner.run
 
     def recording(batch, *args, **kwargs):
-        drafts = {seq.seq_id: list(seq.draft_token_ids) for seq in batch.seqs}
+        drafts = {seq.seq_id: drafted_paths(seq) for seq in batch.seqs}
         out = run(batch, *args, **kwargs)
         for seq, row in out.sample_rows:
             rows[tuple(seq.token_ids)] = out.logits[row].clone()
         for seq, verify in out.verify_rows:
             context = list(seq.token_ids)  # the verified tokens are appended after the run
             for i, row in enumerate(verify):
-                rows[tuple(context + drafts[seq.seq_id][:i])] = out.logits[row].clone()
+                rows[tuple(context + drafts[seq.seq_id][i])] = out.logits[row].clone()
         return out
 
     runner.run = recording
     return rows
+
+
+def drafted_paths(seq) -> list[list[int]]:
+    """The drafted tokens each verify row follows: a chain's row i the first i drafts, a token tree's node row its
+    path from the root (the nodes are in preorder, `draft_parents`)."""
+    tokens, parents = list(seq.draft_token_ids), list(seq.draft_parents)
+    paths = [[]]
+    for i, token in enumerate(tokens):
+        paths.append(paths[parents[i] + 1 if parents else i] + [token])
+    return paths
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -135,6 +145,41 @@ def test_a_compressing_or_sparse_reading_policy_keeps_the_bits(policy):
     for schedule in ({"max_num_batched_tokens": 16}, {"draft": "ngram", "draft_args": DRAFT_ARGS["ngram"]}):
         common, differ = same_bits(base, run(dict(schedule), **args)[1])
         assert common >= 30 and differ == 0, schedule
+
+
+def test_a_sparse_read_keeps_the_bits_under_a_token_tree():
+    """quest over int4 with a token tree: every node row's logits are plain decoding's to the bit, its residual
+    window counted at the node's depth (token time), not at its tentative slot."""
+    args = dict(quant="int4", policy="quest", policy_args=SPARSE_ARGS["quest"], batch_invariant=True)
+    tokens, base = run({}, **args)
+    tree_tokens, tree = run({"draft": "tree", "draft_args": DRAFT_ARGS["tree"]}, **args)
+    common, differ = same_bits(base, tree)
+    assert common >= 30 and differ == 0 and tree_tokens == tokens
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_soft_capped_sliding_layers_keep_the_bits_under_a_sparse_read_and_a_token_tree(quant, monkeypatch):
+    """A tiny random Gemma-2-like model (logit soft-capping 2.0 on every layer, 5 sliding layers of window 512
+    and a full one: trees are not cut to chains) under quest and a token tree: every logit row equals the
+    run without the draft to the bit (the sliding layers read densely, the full one sparsely)."""
+    from kvlab import models
+
+    shape = dict(models.RANDOM_SHAPES["gemma3-tiny"], sliding_window=512, attn_logit_softcapping=2.0)
+    monkeypatch.setitem(models.RANDOM_SHAPES, "gemma2ish-tiny", shape)
+
+    def go(**extra):
+        llm = LLM(model="random:gemma2ish-tiny", kv_cache_memory="4MiB", quant=quant, policy="quest",
+                  policy_args=SPARSE_ARGS["quest"], batch_invariant=True, **extra)
+        assert llm.engine.runner.model.config.attn_logit_softcapping == 2.0
+        seen = record_logits(llm)
+        outs = llm.generate(prompts(), SamplingParams(max_tokens=8, temperature=0.0))
+        return [o.outputs[0].token_ids for o in outs], seen, llm.stats()
+
+    tokens, base, _ = go()
+    tree_tokens, tree, stats = go(draft="tree", draft_args=DRAFT_ARGS["tree"])
+    common, differ = same_bits(base, tree)
+    assert stats["spec_tree_nodes"] > 0 and stats["sparse_reads"] > 0
+    assert common >= 25 and differ == 0 and tree_tokens == tokens
 
 
 @pytest.mark.parametrize("engine_args", [

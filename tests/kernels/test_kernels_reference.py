@@ -141,3 +141,23 @@ def test_block_ops_ref_match_loops():
         flat[s] = row
     compact_slots_ref(k_cache, v_cache, src, dst)
     assert torch.equal(k_cache, want)
+
+
+@pytest.mark.parametrize("window, softcap, starts", [(None, 5.0, True), (6, 5.0, False), (5, None, False),
+                                                     (None, None, True)])
+def test_rows_alone_match_the_reference_under_trees_windows_and_softcap(window, softcap, starts):
+    """The batch-invariant oracle (one query row at a time, kernels/reference/row_attention.py) reads what the
+    padded reference reads: tree masks (at the new tokens, or from a sparse read's tree_starts), sliding
+    windows and Gemma-2's logit soft-capping."""
+    from kvlab.kernels.reference.paged_attention import run_paged_attention
+    from kvlab.kernels.reference.row_attention import row_attention
+
+    batch = make_paged_batch([1, 4, 1, 3], [13, 11, 21, 9], 2, 2, 16, 4, sliding_window=window, tree=True,
+                             tree_starts=starts, seed=3)
+    plan = plan_paged_attention(batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist(), batch.block_tables.tolist(),
+                                4, window, "cpu", tree_mask=batch.tree_mask, tree_starts=batch.tree_starts)
+    got = row_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale, softcap)
+    want = run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    want_naive, _ = naive_attention(batch, window, softcap)
+    torch.testing.assert_close(got, want_naive, atol=1e-5, rtol=1e-4)
