@@ -89,7 +89,7 @@ class QueryLog:
             return
         rows = self._rows.setdefault(seq_id, {})
         for i, pos in enumerate(positions):
-            rows[pos] = {layer: q[i] for layer, q in queries.items()}
+            rows[pos] = {layer: q[i].clone() for layer, q in queries.items()}  # not a view of the step's queries
         newest = max(rows)
         for pos in [p for p in rows if p <= newest - self.keep]:
             del rows[pos]
