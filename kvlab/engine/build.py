@@ -240,15 +240,22 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
               draft=None) -> tuple[BlockManager, KVCache, float]:
     """The one shared page pool sized from the byte budget: (block manager, KV cache, bytes per block); a
     draft's scratch pages (`DraftModel.scratch_pages`, per layer group) sit past the block manager's, outside
-    the budget (as a model draft's own pool)."""
+    the budget (as a model draft's own pool); a draft's copy of its view (`DraftModel.reserved_bytes`) is taken
+    from the budget."""
     dtype = getattr(torch, config.dtype)
     groups = layer_groups(mc, per_layer=policy.compresses, per_head=policy.head_budgets)
     num_kv_heads, head_dim = mc.num_key_value_heads, head_dim_of(mc)
     quant.check_shape(num_kv_heads, head_dim, config.block_size)
     per_block = bytes_per_block(groups, config.block_size, num_kv_heads, head_dim, quant, dtype)
     _, residual_bytes = residual_budget(quant, groups, config, num_kv_heads, head_dim, dtype)  # 0: leased
-    num_blocks = int((config.kv_cache_memory - residual_bytes) // per_block)
+    view_bytes = draft.reserved_bytes(groups, config.block_size, num_kv_heads, head_dim, dtype,
+                                      bool(quant.packed)) if draft is not None else 0  # a draft's copy of its view
+    num_blocks = int((config.kv_cache_memory - residual_bytes - view_bytes) // per_block)
     if num_blocks < 1:
+        if view_bytes:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes leaves less than one block of "
+                             f"{config.block_size} tokens after the draft's view copy ({view_bytes} bytes); raise "
+                             f"kv_cache_memory, or lower draft_args.max_batch / policy_args.budget")
         raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one block of "
                          f"{config.block_size} tokens ({per_block:.0f} bytes across {len(groups[0].layers)} "
                          f"layers); raise kv_cache_memory")
@@ -261,7 +268,7 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
         max_chunk = max(max_chunk, compression_chunk(config))
     bm = BlockManager(groups, allocator, num_blocks, config.block_size, max_model_len, max_chunk, index, match,
                       kept_tokens(policy, groups))
-    scratch = len(groups) * draft.scratch_pages(config.block_size) if draft is not None else 0
+    scratch = len(groups) * draft.scratch_pages(config.block_size, bool(quant.packed)) if draft is not None else 0
     cache = KVCache(groups, num_blocks, config.block_size, num_kv_heads, head_dim, quant, dtype, config.device,
                     lessor=lessor_for(quant, bm.allocator, config.block_size), scratch_pages=scratch)
     bm.on_free = cache.release_unheld  # leased residual rows follow their pages

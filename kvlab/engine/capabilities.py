@@ -42,7 +42,7 @@ class Capabilities:
     allocator_compacts: bool  # the allocator has compact()
     allocator_shares_cached: bool  # the allocator shares cached pages (allocate_cached)
     moves_kv_slots: bool  # the draft moves an accepted path's KV into place slot by slot (token trees)
-    reads_target_cache: bool  # the draft reads the target's own pages and writes a scratch beside them
+    reads_target_cache: bool  # the draft reads the target's own cache (pages or a copy of them), writing none of it
     prefix_caching: bool
     keeps_shared_pages: bool  # prefix caching shares a hit's pages, kept whole when the request is compacted
     token_granular_prefix: bool  # a hit may end inside a cached page (radix, or prefix_match='token')
@@ -143,13 +143,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and c.sparse_read,
             lambda c: f"reuse_compressed with policy {c.policy!r} (sparse reading) is not supported yet: the page "
                       f"summaries a sparse read selects by are not checked across a kept turn", NotImplementedError),
-    Refusal("a draft reading the target's cache with a packed format",
-            "its scratch pages would open and seal packed pages beside the pool's",
-            lambda c: c.reads_target_cache and c.packed,
-            lambda c: f"draft {c.draft!r} reads the target's own pages and writes its tentative K/V into scratch "
-                      f"pages of the same pool, which quant={c.quant!r} packs (codes, scales, residual rows); "
-                      f"supported: element-wise formats (auto, fp32, bf16, fp16, fp8 with a fixed scale), or a draft "
-                      f"with its own pool (layerskip, model)"),
     Refusal("per-head budgets with accumulated attention statistics",
             "the statistics are gathered per layer (a per-head table's overwrite each other); no built-in reaches "
             "it: adakv refuses a scorer with accumulated statistics",

@@ -232,13 +232,18 @@ class LLMEngine:
         if self.compressor:
             due = [self.compressor.due(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
             rows = [self.compressor.query_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        drows = self.speculator.query_rows(batch.seqs, batch.num_new_tokens) if self.speculator else None
+        asked = [max(a, b) for a, b in zip(rows or [0] * len(batch.seqs), drows)] if drows else rows
         spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]] = []
         try:
-            out = self.runner.run(batch, rows if rows and any(rows) else None,
+            out = self.runner.run(batch, asked if asked and any(asked) else None,
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
             spawned = self._spawn_samples(out)
             tokens = self._sample(out)
             verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
+            if drows:  # the draft reads the target's queries of its committed tokens; the policy its own rows
+                self.speculator.observe(batch.seqs, batch.num_new_tokens, drows, out.queries)
+                out.queries = own_rows(out.queries, rows) if rows and any(rows) else {}
             self._commit(batch, out, spawned, due, rejected)
         except BaseException:
             self._roll_back(batch, spawned, streams)
@@ -510,3 +515,9 @@ class LLMEngine:
             self.cache.sparse_read.reset_stats()
         if self.speculator:
             self.speculator.reset_stats()
+
+
+def own_rows(queries: dict[int, list[torch.Tensor]], rows: list[int]) -> dict[int, list[torch.Tensor]]:
+    """The last rows[i] of each sequence's recorded queries (layer -> per sequence [n_i, Hq, D]): what the cache
+    policy asked for, where the draft asked for more."""
+    return {layer: [q[len(q) - r:] for q, r in zip(qs, rows)] for layer, qs in queries.items()}

@@ -132,6 +132,26 @@ class Speculator:
     def num_tracked(self) -> int:
         return len(self._lengths.keys() | self._probs.keys()) + self.draft.num_tracked()
 
+    # -- the target's queries, for a draft that reads them ------------------------------
+    def query_rows(self, seqs: list[Sequence], num_new: list[int]) -> list[int] | None:
+        """Trailing rows of each sequence's chunk whose queries the draft reads (None: none)."""
+        rows = [self.draft.query_rows(s, n) for s, n in zip(seqs, num_new)]
+        return rows if any(rows) else None
+
+    def observe(self, seqs: list[Sequence], num_new: list[int], rows: list[int],
+                queries: dict[int, list[torch.Tensor]]) -> None:
+        """After verification: the draft's `rows[i]` trailing rows of each chunk (`queries`: layer -> per sequence
+        the trailing rows the runner kept, at least as many), those of a verify step's kept rows only, with
+        their positions (the chunk starts at the sequence's computed tokens)."""
+        for i, (seq, n, r) in enumerate(zip(seqs, num_new, rows)):
+            if not r:
+                continue
+            chunk = range(n - r, n)  # the rows' indices in the chunk
+            kept = set(self.kept_rows.get(seq.seq_id, chunk)) if seq.draft_token_ids else set(chunk)
+            pick = [j for j, row in enumerate(chunk) if row in kept]
+            got = {layer: qs[i][len(qs[i]) - r:][pick] for layer, qs in queries.items()}
+            self.draft.observe(seq, [seq.num_computed_tokens + chunk[j] for j in pick], got)
+
     # -- verify ----------------------------------------------------------------
     def verify(self, out, generators: dict[int, torch.Generator]) -> tuple[list[tuple[Sequence, list[int]]],
                                                                           dict[int, int]]:
@@ -238,4 +258,5 @@ class Speculator:
             "spec_mean_accepted_length": self.num_emitted / self.num_verified if self.num_verified else nan,
             "spec_draft_time_share": self.draft_s / busy_s if busy_s > 0 else nan,
             "spec_tree_nodes": self.num_tree_nodes,
+            **self.draft.stats(),
         }

@@ -29,7 +29,7 @@ import random
 
 from kvlab.engine.build import resolve
 from kvlab.engine.capabilities import Deviation, deviations
-from kvlab.engine_config import EngineConfig
+from kvlab.engine_config import EngineConfig, parse_bytes
 from kvlab.llm import LLM
 from kvlab.models import LoadedModel
 from kvlab.sampling_params import SamplingParams
@@ -64,7 +64,8 @@ def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | No
     "exact", "refused: <error>", or for a combination under a declared deviation "runs outside the contract:
     <deviations>; held" (every check held anyway on these prompts) or "...; differed: <what>" (a check the
     deviation excuses failed). `pool`: the ample KV budget of every run but the schedule check's, which runs
-    in the first of `small_pools` that holds the largest request and constrains the run."""
+    in the first of `small_pools` that holds the largest request and constrains the run (each pool plus the
+    bytes of a draft's view copy, which the engine takes from its budget)."""
     why, deviating = verdict(model, **engine_args)
     if why is not None:
         return f"refused: {why}"
@@ -103,7 +104,9 @@ def check_combination(model: str = "random:llama-tiny", loaded: LoadedModel | No
         fresh = batch[num_shared:]  # prompts that share no page with each other: a hit on nothing
         expect("schedule", tokens(on, fresh) == tokens(off, fresh), "a prompt that hits nothing differs from "
                                                                   "prefix caching off")
-    mismatch = _check_schedule_independence(make, batch, n, small_pools, name)
+    view = llm.stats().get("spec_view_bytes", 0)  # a draft's copy of its view comes out of the budget: on top
+    pools = tuple(parse_bytes(p) + view for p in small_pools) if view else small_pools
+    mismatch = _check_schedule_independence(make, batch, n, pools, name)
     expect("schedule", mismatch is None, mismatch or "")
     if not deviating:
         return "exact"

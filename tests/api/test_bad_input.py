@@ -301,9 +301,12 @@ def test_unknown_draft_and_parameter_are_named():
         LLM("does-not-exist", draft="ngram", draft_args={"k": 4})
 
 
-def test_a_self_speculating_draft_over_a_packed_format_fails_before_the_model():
-    with pytest.raises(ValueError, match=r"draft 'self_compressed' reads the target's own pages"):
-        LLM("does-not-exist", draft="self_compressed", quant="int4")
+def test_a_self_speculating_draft_with_a_view_it_cannot_read_fails_before_the_model():
+    with pytest.raises(ValueError, match=r"query-aware page selection"):
+        LLM("does-not-exist", draft="self_compressed", draft_args={"policy": "quest", "policy_args": {"budget": 64}})
+    with pytest.raises(ValueError, match=r"give policy_args.budget"):
+        LLM("does-not-exist", draft="self_compressed", draft_args={"policy": "snapkv",
+                                                                    "policy_args": {"compression_ratio": 0.5}})
 
 
 def test_model_draft_needs_the_targets_vocabulary():

@@ -36,8 +36,6 @@ CASES = {
     "reusing compressed turns with sparse reading": (
         dict(reuse_compressed=True, policy="rocketkv", policy_args={"budget": 64, "window_size": 8}),
         dict(policy="rocketkv", policy_args={"budget": 64, "window_size": 8})),
-    "a draft reading the target's cache with a packed format": (dict(draft="self_compressed", quant="int4"),
-                                                                dict(draft="self_compressed", quant="bf16")),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),

@@ -59,10 +59,29 @@ class DraftModel(ABC):
         """Check the draft against the target engine (vocabulary, device) and build what it needs;
         raise a clear error before any request runs."""
 
-    def scratch_pages(self, block_size: int) -> int:
+    def scratch_pages(self, block_size: int, packed: bool = False) -> int:
         """Pages per layer group the draft writes in the target's pool tensors beside the block manager's pages
-        (`KVCache.scratch_pages`, made at build; 0: none): a draft that reads the target's own cache."""
+        (`KVCache.scratch_pages`, made at build; 0: none): a draft that reads the target's own cache (`packed`:
+        whether the target's format packs its pages)."""
         return 0
+
+    def reserved_bytes(self, groups, block_size: int, num_kv_heads: int, head_dim: int, dtype: "torch.dtype",
+                       packed: bool) -> int:
+        """Bytes the draft keeps on the device that the engine takes from `kv_cache_memory` before sizing its
+        pool (a self-speculating draft's copy of its view; 0: none)."""
+        return 0
+
+    def query_rows(self, seq: "Sequence", num_new_tokens: int) -> int:
+        """Trailing rows of this step's chunk of `seq` whose target queries the draft reads (0: none)."""
+        return 0
+
+    def observe(self, seq: "Sequence", positions: list[int], queries: dict) -> None:
+        """The target's queries (layer -> [len(positions), Hq, D]) of `seq`'s committed tokens at `positions`,
+        as `query_rows` asked: a verify step's kept rows only."""
+
+    def stats(self) -> dict:
+        """Figures of the draft's own for `llm.stats()` (e.g. the bytes of a view it keeps)."""
+        return {}
 
     def forget(self, seq_id: int) -> None:
         """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""

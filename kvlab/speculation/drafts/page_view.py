@@ -12,8 +12,10 @@ newest tokens, is always read: the draft holds a copy of it in its scratch). Sup
     full            every page (the draft reads what the target reads: a layerskip-style draft over the
                     target's own cache, or, with every layer, the target itself)
 
-Query-aware page selection (Quest) and token-granular views (SnapKV, H2O, ...) need the draft's queries or a
-compacted copy and are refused with the list above.
+Query-aware page selection (Quest) needs the draft's own queries and is refused with the list above; a
+token-level policy (SnapKV, H2O, ...) is no page view but a token view, a compacted copy
+(kvlab/speculation/drafts/token_view.py). Over a packed target, or with a quantised view, the draft reads a
+copy of these pages' tokens (kvlab/speculation/drafts/view_copy.py) instead of the pages themselves.
 """
 
 from __future__ import annotations
@@ -67,4 +69,5 @@ def page_view(policy) -> PageView:
     kind = ("query-aware page selection (the draft's own queries would choose its pages)"
             if getattr(policy, "reads_sparsely", None) else "a token-granular view (it needs a compacted copy)")
     raise ValueError(f"draft self_compressed: policy {name!r} would be {kind}, which is not supported yet; "
-                     f"supported views: {', '.join(SUPPORTED)} (page-granular, over the target's own pages)")
+                     f"supported views: {', '.join(SUPPORTED)} (page-granular, over the target's own pages), or a "
+                     f"token-level policy with a budget (snapkv, h2o, tova, ...: a compacted copy)")

@@ -1,25 +1,29 @@
 """Self-speculation through a compressed view of the target's own cache.
 
-Based on MagicDec (Chen et al. 2024, arXiv:2408.11049) and TriForce (Sun et al. 2024, arXiv:2404.11912):
-once decoding is bound by reading the KV cache, the target model itself, attending to a small view of its
-own cache (StreamingLLM's sinks and recent pages), drafts tokens it then accepts at a high rate. The draft
-is the target's own network (or, with `layers`, its early exit: kvlab/speculation/drafts/layerskip.py's
-`early_exit`), run on kvlab's paged attention with a *shorter block table over the target's own pages*
-(kvlab/speculation/drafts/page_view.py): no copy of the view, no second cache.
+Based on MagicDec (Chen et al. 2024, arXiv:2408.11049), TriForce (Sun et al. 2024, arXiv:2404.11912) and
+QuantSpec (Tiwari et al. 2025, arXiv:2502.10424): once decoding is bound by reading the KV cache, the target
+model itself, attending to a small view of its own cache, drafts tokens it then accepts at a high rate. The
+draft is the target's own network (or, with `layers`, its early exit: kvlab/speculation/drafts/layerskip.py's
+`early_exit`), run on kvlab's paged attention over one of two kinds of view:
 
-Where the draft's own K/V go: a small private scratch of the target's pool tensors, pages past the block
-manager's (`KVCache.scratch_pages`, sized by `scratch_pages` at build, outside `kv_cache_memory` like a
-model draft's pool, but about one page a sequence instead of a whole cache). Each step, per sequence and
-layer group, the scratch's first page starts as a copy of the target's partial last page (its committed
-tokens: fewer than one page); the draft's k passes then write the last committed token's K/V and its
-drafts' after them, there. The target's pages are only read: the target's cache never holds a K/V the draft
-computed, and verification (the exact verifier, kvlab/speculation/speculator.py) computes and writes every
-tentative token itself, in the tentative slots the scheduler appended, rolled back when rejected.
+- a *page view* (StreamingLLM's sinks and recent pages, or every page: kvlab/speculation/drafts/page_view.py)
+  over an element-wise target: a shorter block table over the target's own pages, no copy. The draft's own
+  K/V go to a small private scratch of the target's pool tensors, pages past the block manager's
+  (`KVCache.scratch_pages`, outside `kv_cache_memory` like a model draft's pool, about one page a sequence):
+  each step, per sequence and layer group, the scratch's first page starts as a copy of the target's partial
+  last page; the draft's k passes write the last committed token's K/V and its drafts' after it, there.
+- a *copied view* (kvlab/speculation/drafts/view_copy.py): a token-granular view (any registered token-level
+  policy, its `budget` tokens of [0, P) chosen by the policy's own select: kvlab/speculation/drafts/token_view.py),
+  a quantised view (`quant`: the copy passes through that format's encode / decode), or any view over a packed
+  target (int8 / int4 / int2, whose pages a draft cannot write beside). The copy is refreshed at P, every
+  `refresh` tokens of the sequence (by position, not by step), holds the target's tokens [P, c) besides, and
+  its draft tokens after them; its bytes come out of `kv_cache_memory` (`reserved_bytes`).
 
-Per step: `max_batch` sequences a round (the scratch holds that many), k packed passes of one token each.
-The draft keeps no per-sequence state. Packed formats (int8 / int4 / int2) are refused
-(kvlab/engine/capabilities.py): the scratch would open and seal packed pages. A quantised view (QuantSpec)
-and token-granular or query-aware views (SnapKV, Quest) are refused with what is supported.
+Either way the target's pages are only read: the target's cache (pages, residual rows, page summaries) never
+holds a K/V the draft computed, and verification (the exact verifier, kvlab/speculation/speculator.py)
+computes and writes every tentative token itself, in the tentative slots the scheduler appended, rolled back
+when rejected. Per step: `max_batch` sequences a round, k packed passes of one token each. Query-aware page
+selection (Quest) is refused with what is supported.
 """
 
 from __future__ import annotations
@@ -30,66 +34,107 @@ from typing import ClassVar
 import torch
 
 from kvlab.kernels.attention_plan import NULL_BLOCK
-from kvlab.registry import DRAFTS, POLICIES
+from kvlab.registry import DRAFTS, POLICIES, QUANT_FORMATS
 from kvlab.sampler import draw, probabilities
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.speculation.drafts.layerskip import early_exit
-from kvlab.speculation.drafts.page_view import PageView, page_view
+from kvlab.speculation.drafts.page_view import SUPPORTED, PageView, page_view
+from kvlab.speculation.drafts.token_view import QueryLog, TokenView, gather_heads
+from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, through_format
+
+
+def choose_view(policy) -> PageView | TokenView:
+    """The page view a policy names (page_view.SUPPORTED), else its token view: a token-level compressing policy
+    with an integer budget. Query-aware page selection (Quest) and per-head budgets (AdaKV) are refused."""
+    name = getattr(type(policy), "registry_name", type(policy).__name__)
+    if name in SUPPORTED or getattr(policy, "reads_sparsely", None) or not policy.compresses:
+        return page_view(policy)
+    if policy.head_budgets:
+        raise ValueError(f"draft self_compressed: policy {name!r} keeps a budget per KV head, which a view copy "
+                         f"(one table per layer group) does not hold; use its scorer (e.g. snapkv) as the view")
+    if not isinstance(policy.budget, int):
+        raise ValueError(f"draft self_compressed: a token view ({name!r}) is a copy of fixed size: give "
+                         f"policy_args.budget (tokens kept per layer), not a compression_ratio")
+    return TokenView(policy, 0)
 
 
 @DRAFTS.register("self_compressed")
 @dataclass
 class SelfCompressedDraft(DraftModel):
-    """The target (or its first `layers` layers) drafting through a page-granular view of its own cache."""
+    """The target (or its first `layers` layers) drafting through a view of its own cache."""
 
-    policy: str = "streaming_llm"  # registered policy naming the view (page_view.SUPPORTED)
+    policy: str = "streaming_llm"  # registered policy naming the view: a page view (page_view.SUPPORTED) or any
+    # token-level policy (snapkv, h2o, tova, knorm, ...: a copied view of `budget` tokens)
     policy_args: dict = field(default_factory=lambda: {"budget": 256})  # its arguments (budget: tokens read)
     layers: int | None = None  # decoder layers the draft runs (an early exit); None: all of them
-    quant: str | None = None  # a quantised view (QuantSpec): not supported yet, None reads the target's format
-    max_batch: int = 16  # sequences drafted in one pass (the scratch holds this many)
+    quant: str | None = None  # a quantised view (QuantSpec): a registered format the copy passes through; None:
+    # the target's own values
+    refresh: int = 64  # a copied view's selection is remade every `refresh` tokens of the sequence (by position)
+    max_batch: int = 16  # sequences drafted in one pass (the scratch, or the copy, holds this many)
 
-    reads_target_cache: ClassVar[bool] = True  # capabilities: the draft reads the target's pages, writes a scratch
+    reads_target_cache: ClassVar[bool] = True  # capabilities: the draft reads the target's cache, writes none of it
 
-    _view: PageView | None = field(default=None, init=False, repr=False)
+    _view: PageView | TokenView | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("layers", "max_batch"):
+        for key in ("layers", "max_batch", "refresh"):
             value = getattr(self, key)
             if value is None and key == "layers":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft self_compressed: {key} must be an integer >= 1, got {value!r}")
         if self.quant is not None:
-            raise ValueError(f"draft self_compressed: a quantised view (quant={self.quant!r}) is not supported yet; "
-                             f"the draft reads the target's pages in the target's own format (quant=None)")
+            QUANT_FORMATS.build(self.quant)  # an unknown format names the registered ones
         if not isinstance(self.policy_args, dict):
             raise ValueError(f"draft self_compressed: policy_args must be a mapping, got {self.policy_args!r}")
-        self._view = page_view(POLICIES.build(self.policy, **self.policy_args))
+        self._view = choose_view(POLICIES.build(self.policy, **self.policy_args))
 
     # -- what the engine builds for it ------------------------------------------------
     def longest(self) -> int:
         """The most tokens one step drafts for a sequence."""
         return self.max_num_tokens if self.adaptive else self.num_tokens
 
+    def copies(self, packed: bool) -> bool:
+        """Whether the view is a copy (token-granular, quantised, or over a packed target's pages)."""
+        return isinstance(self._view, TokenView) or self.quant is not None or packed
+
     def pages_per_sequence(self, block_size: int) -> int:
         """Scratch pages one sequence needs per layer group: its partial last page and the drafted tokens."""
         return -(-(block_size - 1 + self.longest()) // block_size)
 
-    def scratch_pages(self, block_size: int) -> int:
-        return self.max_batch * self.pages_per_sequence(block_size)
+    def scratch_pages(self, block_size: int, packed: bool = False) -> int:
+        return 0 if self.copies(packed) else self.max_batch * self.pages_per_sequence(block_size)
+
+    def copy_pages(self, groups, block_size: int) -> int:
+        """Pages of one sequence's copy per layer group: the selection, the tokens since the refresh, the draft's."""
+        budget = self._view.policy.budget if isinstance(self._view, TokenView) else self._view.budget
+        if budget is None:
+            raise ValueError(f"draft self_compressed: a copied view (quant={self.quant!r}, or a packed target) of "
+                             f"policy {self.policy!r} needs policy_args.budget (the copy's size)")
+        windows = [g.sliding_window for g in groups if g.sliding_window is not None]
+        return -(-(max([budget + self.refresh - 1] + windows) + self.longest()) // block_size)
+
+    def reserved_bytes(self, groups, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       packed: bool) -> int:
+        """Bytes of the view's copy, taken from the target's `kv_cache_memory` (0: a page view, no copy)."""
+        if not self.copies(packed):
+            return 0
+        return copy_nbytes(len(groups), len(groups[0].layers), self.max_batch, self.copy_pages(groups, block_size),
+                           block_size, num_kv_heads, head_dim, dtype)
 
     def setup(self, engine) -> None:
-        if engine.quant.packed:
-            raise ValueError(f"draft self_compressed cannot write its scratch into packed pages "
-                             f"(quant={engine.config.quant!r})")
         cache, bm = engine.cache, engine.block_manager
-        need = len(bm.groups) * self.scratch_pages(bm.block_size)
+        packed, dtype = engine.quant.packed, cache.compute_dtype
+        need = len(bm.groups) * self.scratch_pages(bm.block_size, packed)
         if len(cache.scratch_pages) != need:
             raise RuntimeError(f"draft self_compressed needs {need} scratch pages, the cache has "
                                f"{len(cache.scratch_pages)}: build it through kvlab.engine.build")
         self._cache, self._bm, self._device = cache, bm, torch.device(engine.config.device)
         self._plan_view = engine.plan_view  # kvlab.engine.attention.plan_view (the engine lends it)
+        self._copy = self._log = self._fmt = None
+        if self.copies(packed):
+            self._build_copy(engine, dtype)
         if self.layers is None:
             self._model = engine.model
             return
@@ -97,6 +142,55 @@ class SelfCompressedDraft(DraftModel):
             self._model = early_exit(engine.model, self.layers).eval()
         except ValueError as e:
             raise ValueError(str(e).replace("draft layerskip", "draft self_compressed")) from None
+
+    def _build_copy(self, engine, dtype: torch.dtype) -> None:
+        bm, mc = self._bm, engine.model.config
+        if any(g.head is not None for g in bm.groups):
+            raise ValueError(f"draft self_compressed: a copied view over per-head tables (policy "
+                             f"{engine.config.policy!r} keeps a budget per KV head) is not supported; use a page view "
+                             f"over an element-wise format")
+        heads = mc.num_key_value_heads
+        dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self._copy = ViewCopy(bm.groups, self.max_batch, self.copy_pages(bm.groups, bm.block_size), bm.block_size,
+                              heads, dim, dtype, self._device, QUANT_FORMATS.build("auto"))
+        if self._copy.nbytes() != self.reserved_bytes(bm.groups, bm.block_size, heads, dim, dtype, True):
+            raise RuntimeError("draft self_compressed: the view copy's bytes differ from those reserved at build")
+        if self.quant is not None:
+            self._fmt = QUANT_FORMATS.build(self.quant)
+            self._fmt.check_shape(heads, dim, bm.block_size)
+            self._scales = self._fmt.init_scales(heads, self._device)
+        if isinstance(self._view, TokenView):
+            self._view = TokenView(self._view.policy, mc.num_hidden_layers)
+            self._view.policy.bind(engine.model)
+            if self._view.window:
+                self._log = QueryLog(keep=self._view.window + self.refresh + self.longest() + 1)
+
+    # -- what the engine hands it of the target's passes -----------------------------------
+    def query_rows(self, seq, num_new_tokens: int) -> int:
+        """Trailing rows of this step's chunk of `seq` whose target queries the token view's scores read."""
+        if self._log is None:
+            return 0
+        return min(num_new_tokens, num_new_tokens if seq.draft_token_ids else self._view.window + self.refresh)
+
+    def observe(self, seq, positions: list[int], queries: dict[int, torch.Tensor]) -> None:
+        """The target's queries (layer -> [len(positions), Hq, D]) of `seq`'s committed tokens at `positions`."""
+        if self._log is not None:
+            self._log.record(seq.seq_id, positions, queries)
+
+    def forget(self, seq_id: int) -> None:
+        if getattr(self, "_copy", None) is not None:
+            self._copy.forget(seq_id)
+        if getattr(self, "_log", None) is not None:
+            self._log.forget(seq_id)
+
+    def num_tracked(self) -> int:
+        copy, log = getattr(self, "_copy", None), getattr(self, "_log", None)
+        return (copy.num_held() if copy is not None else 0) + (log.num_tracked() if log is not None else 0)
+
+    def stats(self) -> dict:
+        copy = getattr(self, "_copy", None)
+        return {"spec_view_bytes": copy.nbytes() if copy is not None else 0,
+                "spec_view_pages": copy.num_pages() if copy is not None else 0}
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
@@ -109,8 +203,12 @@ class SelfCompressedDraft(DraftModel):
         return out
 
     def _round(self, seqs, lengths, generators) -> list[Proposal]:
-        """At most `max_batch` sequences: their views (scratch primed), then k packed one-token passes."""
-        views = [self._views(seq, i) for i, seq in enumerate(seqs)]  # [B][G] (table, cached slots before the step)
+        """At most `max_batch` sequences: their views (scratch primed, or copy refreshed), then k one-token passes."""
+        if self._copy is not None:
+            slots = self._copy.take([s.seq_id for s in seqs])
+            views = [self._copied(seq, slot) for seq, slot in zip(seqs, slots)]  # [B][G] (table, cached slots)
+        else:
+            views = [self._views(seq, i) for i, seq in enumerate(seqs)]
         drafted: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(max(lengths, default=0)):
@@ -148,13 +246,74 @@ class SelfCompressedDraft(DraftModel):
         self._cache.copy_scratch(copies)
         return out
 
+    # -- a copied view -------------------------------------------------------------------
+    def _copied(self, seq, slot: int) -> list[tuple[list[int], int]]:
+        """Per layer group: the copy's table of `slot` and its cached slots before the draft's first token: the
+        selection at the last refresh point P (remade when P moved), then the target's tokens [P, c)."""
+        copy, out = self._copy, []
+        for g, group in enumerate(self._bm.groups):
+            table, c = self._bm.block_tables([seq], g)[0], self._bm.cached_lens([seq], g)[0]
+            P = c // self.refresh * self.refresh
+            if group.sliding_window is not None:  # the window's last tokens, as they are: no selection
+                P = start = max(0, c - group.sliding_window)
+                selected = 0
+            else:
+                if copy.refreshed.get((slot, g)) != (seq.seq_id, P):
+                    copy.selected[(slot, g)] = self._select(seq, slot, g, table, P)
+                    copy.refreshed[(slot, g)] = (seq.seq_id, P)
+                selected, start = copy.selected[(slot, g)], P
+            self._copy_tokens(slot, g, table, range(start, c), selected)
+            out.append((copy.table(slot, g), selected + c - start))
+        return out
+
+    def _select(self, seq, slot: int, g: int, table: list[int], P: int) -> int:
+        """Write the view's selection of the target's tokens [0, P) of group `g` into `slot`; -> its length S."""
+        group, sizes = self._bm.groups[g], set()
+        if isinstance(self._view, PageView):
+            bs = self._bm.block_size
+            pages = self._view.full_pages(P, bs)
+            tokens = [p * bs + t for p in pages for t in range(bs)] + list(range(P // bs * bs, P))
+            return self._copy_tokens(slot, g, table, tokens, 0)
+        for layer in group.layers:
+            keys, values = self._read(layer, table, range(P))  # [P, Hkv, D] each
+            queries = self._log.window(seq.seq_id, layer, P, self._view.window) if self._log else None
+            idx = self._view.select(layer, keys, values, queries)  # [Hkv, S]
+            k, v = gather_heads(keys, idx), gather_heads(values, idx)  # [S, Hkv, D]
+            self._copy.write(slot, g, layer, 0, *self._encoded(k, v))
+            sizes.add(idx.shape[1])
+        if len(sizes) > 1:
+            raise ValueError(f"draft self_compressed: policy {self.policy!r} keeps {sorted(sizes)} tokens in layers "
+                             f"of one group; a token view needs one budget for every layer")
+        return sizes.pop() if sizes else 0
+
+    def _copy_tokens(self, slot: int, g: int, table: list[int], tokens, start: int) -> int:
+        """The target's cache indices `tokens` of group `g` -> the copy's indices start.. of `slot`; -> start + n."""
+        tokens = list(tokens)
+        if tokens:
+            for layer in self._bm.groups[g].layers:
+                self._copy.write(slot, g, layer, start, *self._encoded(*self._read(layer, table, tokens)))
+        return start + len(tokens)
+
+    def _read(self, layer: int, table: list[int], tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's K/V of `layer` at cache indices `tokens` of `table`, decoded: ([N, Hkv, D], [N, Hkv, D])."""
+        bs, index = self._bm.block_size, torch.tensor(list(tokens), dtype=torch.int64)
+        slots = torch.tensor(table, dtype=torch.int64)[index // bs] * bs + index % bs
+        return self._cache.read_slots(layer, slots.to(self._device), self._cache.compute_dtype)
+
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantised view's K/V through its format (QuantSpec); the target's own otherwise."""
+        if self._fmt is None:
+            return k, v
+        bs = self._bm.block_size
+        return (through_format(self._fmt, k, 0, bs, self._scales), through_format(self._fmt, v, 1, bs, self._scales))
+
     @torch.inference_mode()
     def _forward(self, ids: list[int], positions: list[int], views, j: int) -> torch.Tensor:
         """One packed pass, one token a sequence at draft offset `j` -> logits [B, V] (float32)."""
-        dev = self._device
+        dev, cache = self._device, self._copy.cache if self._copy is not None else self._cache
         meta = self._plan_view([[v[g][0] for v in views] for g in range(len(self._bm.groups))],
-                         [[v[g][1] + j + 1 for v in views] for g in range(len(self._bm.groups))],
-                         self._bm, self._cache, dev)
+                               [[v[g][1] + j + 1 for v in views] for g in range(len(self._bm.groups))],
+                               self._bm, cache, dev)
         B = len(ids)
         out = self._model(input_ids=torch.tensor([ids], dtype=torch.int64, device=dev),
                           position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),

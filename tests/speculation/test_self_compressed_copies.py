@@ -1,0 +1,231 @@
+"""The `self_compressed` draft's copied views (kvlab/speculation/drafts/view_copy.py): a token-granular view
+(token_view.py: SnapKV, H2O, ... over the target's own keys and queries), a quantised view (QuantSpec: the copy
+through a format's encode / decode) and any view over a packed target (int8 / int4). The draft never changes
+output: greedy equals plain decoding for each view kind over fp32, fp8 and int4 targets, batched and chunked,
+under preemption; sampled outputs keep their distribution; the copy is refreshed by position, taken from the
+byte budget, and the target's pool is never written.
+
+Tiny random Llama (2 layers, vocab 256). Packed targets run in `batch_invariant=True` mode, where a rounding
+format's cache is the same whatever the schedule (speculation verifies several tokens a step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.registry import DRAFTS, QUANT_FORMATS, load_plugins
+from kvlab.speculation.drafts.token_view import QueryLog, gather_heads, indices
+from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, through_format
+from kvlab.cache.block_manager import LayerGroup
+from kvlab.testing import check_draft
+from kvlab.testing.drafts import check_nothing_left
+
+from helpers import MODEL, chi2_critical, two_sample_chi_square
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SNAPKV = {"policy": "snapkv", "policy_args": {"budget": 24, "window_size": 8}, "num_tokens": 3, "refresh": 16}
+H2O = {"policy": "h2o", "policy_args": {"budget": 24}, "num_tokens": 3, "refresh": 16}
+QUANT = {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 3, "quant": "int4", "refresh": 16}
+PAGE = {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 3, "refresh": 16}
+VIEWS = {"token": SNAPKV, "token_h2o": H2O, "quant": QUANT, "page": PAGE}
+TARGETS = {"fp32": {}, "fp8": {"quant": "fp8_e4m3"}, "int4": {"quant": "int4", "batch_invariant": True}}
+
+
+def long_prompts(n: int) -> list[list[int]]:
+    from kvlab.testing.policies import prompts as policy_prompts
+
+    return policy_prompts(256, lengths=(61, 40, 23, 50, 45))[:n]
+
+
+def run(draft_args, batch, max_tokens, **engine):
+    engine = {"block_size": 16, "kv_cache_memory": "4MiB", **engine}
+    llm = LLM(MODEL, draft="self_compressed", draft_args=draft_args, **engine)
+    outs = llm.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    check_nothing_left(llm, "self_compressed")
+    return [o.token_ids for o in outs], llm.stats(), llm
+
+
+# -- the parts (no model) ----------------------------------------------------------------
+def test_view_copy_slots_go_least_recently_used_first_and_never_to_a_round_member():
+    copy = ViewCopy([LayerGroup((0, 1))], 2, 3, 4, 1, 8, torch.float32, torch.device("cpu"), QUANT_FORMATS.build("auto"))
+    assert copy.take([7, 8]) == [0, 1]
+    copy.refreshed[(0, 0)], copy.selected[(0, 0)] = (7, 16), 5
+    assert copy.take([8]) == [1]  # 8 used last: 7 is the least recently used
+    assert copy.take([9]) == [0] and (0, 0) not in copy.refreshed  # 7's slot, its selection dropped
+    assert copy.take([8, 9]) == [1, 0]
+    with pytest.raises(ValueError, match="holds 2"):
+        copy.take([1, 2, 3])
+    copy.forget(8)
+    assert copy.num_held() == 1 and copy.table(1, 0) == [3, 4, 5]
+    assert copy.nbytes() == copy_nbytes(1, 2, 2, 3, 4, 1, 8, torch.float32)
+
+
+def test_query_log_keeps_positions_and_windows_by_position():
+    log = QueryLog(keep=4)
+    log.record(1, [0, 1, 2], {0: torch.arange(3.0)[:, None, None].expand(3, 2, 2)})
+    log.record(1, [3, 4, 5], {0: torch.arange(3.0, 6.0)[:, None, None].expand(3, 2, 2)})
+    got = log.window(1, 0, 5, 3)  # positions 2, 3, 4
+    assert got[:, 0, 0].tolist() == [2.0, 3.0, 4.0]
+    assert log.window(1, 0, 2, 2) is None  # positions 0, 1 left the log (keep 4 behind position 5)
+    log.forget(1)
+    assert log.num_tracked() == 0
+
+
+def test_indices_and_gather_follow_the_policys_kept_sets():
+    assert indices(None, 3, 2).tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert indices([0, 2], 3, 2).tolist() == [[0, 2], [0, 2]]
+    x = torch.arange(12.0).view(3, 2, 2)  # [L=3, Hkv=2, D=2]
+    got = gather_heads(x, indices([[0, 2], [1, 2]], 3, 2))
+    assert got[:, 0].tolist() == [x[0, 0].tolist(), x[2, 0].tolist()]
+    assert got[:, 1].tolist() == [x[1, 1].tolist(), x[2, 1].tolist()]
+
+
+def test_a_quantised_view_is_the_formats_roundtrip():
+    load_plugins()
+    x = torch.randn(21, 2, 16)
+    for name in ("int4", "int8", "fp8_e4m3"):
+        fmt = QUANT_FORMATS.build(name)
+        got = through_format(fmt, x, 0, 16, fmt.init_scales(2, "cpu"))
+        err = (got - x).abs().max().item()
+        assert got.shape == x.shape and 0 < err < 0.5 * x.abs().max().item(), (name, err)
+    assert (through_format(QUANT_FORMATS.build("int4"), x, 0, 16) - x).abs().mean() > \
+           (through_format(QUANT_FORMATS.build("int8"), x, 0, 16) - x).abs().mean()
+
+
+def test_what_a_copied_view_cannot_be_is_refused():
+    load_plugins()
+    with pytest.raises(ValueError, match="query-aware page selection"):
+        DRAFTS.build("self_compressed", policy="quest", policy_args={"budget": 64})
+    with pytest.raises(ValueError, match="give policy_args.budget"):
+        DRAFTS.build("self_compressed", policy="snapkv", policy_args={"compression_ratio": 0.5})
+    with pytest.raises(ValueError, match="refresh must be an integer >= 1"):
+        DRAFTS.build("self_compressed", refresh=0)
+    with pytest.raises(Exception, match="int5"):
+        DRAFTS.build("self_compressed", quant="int5")
+    with pytest.raises(ValueError, match="needs policy_args.budget"):  # a full view copied: of no fixed size
+        LLM(MODEL, draft="self_compressed", draft_args={"policy": "full", "policy_args": {}}, quant="int4",
+            kv_cache_memory="4MiB")
+
+
+# -- the engine ------------------------------------------------------------------------
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_greedy_output_is_plain_decodings_for_every_view_over_every_target(view, target):
+    batch = long_prompts(3)
+    got, stats, llm = run(VIEWS[view], batch, 20, **TARGETS[target])
+    assert got == plain_on(batch, 20, target)
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    copied = view != "page" or llm.engine.quant.packed  # a page view over a packed target (int4, fp8) is copied
+    assert (stats["spec_view_bytes"] > 0) == copied
+
+
+def plain_on(batch, max_tokens, target):
+    llm = LLM(MODEL, block_size=16, kv_cache_memory="4MiB", **TARGETS[target])
+    return [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("target", ["fp32", "int4"])
+def test_one_at_a_time_and_chunked_prefill_match_plain(target):
+    batch = long_prompts(5)
+    want = plain_on(batch, 16, target)
+    for args in (SNAPKV, QUANT):
+        alone = [run(args, [p], 16, **TARGETS[target])[0][0] for p in batch]
+        chunked, _, _ = run(args, batch, 16, max_prefill_chunk=8, max_num_batched_tokens=24, **TARGETS[target])
+        assert alone == want and chunked == want
+
+
+def test_the_copy_is_refreshed_by_position_and_reads_the_targets_queries(monkeypatch):
+    """Every selection is made at a multiple of `refresh`, the same points batched or alone; SnapKV's scores read
+    the target's own queries of the window before the point (as many as the window, recorded as computed)."""
+    from kvlab.speculation.drafts.self_compressed import SelfCompressedDraft
+    from kvlab.speculation.drafts.token_view import TokenView
+
+    points, windows = [], []
+    select, token_select = SelfCompressedDraft._select, TokenView.select
+
+    def watched(self, seq, slot, g, table, P):
+        points.append((tuple(seq.token_ids[:seq.num_prompt_tokens]), P))
+        return select(self, seq, slot, g, table, P)
+
+    def seen(self, layer, keys, values, queries):
+        windows.append((keys.shape[0], None if queries is None else queries.shape[0]))
+        return token_select(self, layer, keys, values, queries)
+
+    monkeypatch.setattr(SelfCompressedDraft, "_select", watched)
+    monkeypatch.setattr(TokenView, "select", seen)
+    batch = long_prompts(3)
+    run(SNAPKV, batch, 40)
+    together = sorted(set(points))
+    points.clear()
+    for p in batch:
+        run(SNAPKV, [p], 40)
+    assert sorted(set(points)) == together and all(P % 16 == 0 for _, P in together)
+    assert windows and all(q == min(8, P) for P, q in windows if P > 0), windows
+
+
+def test_the_copy_comes_out_of_the_byte_budget_and_stats_say_how_much():
+    _, stats, llm = run(SNAPKV, long_prompts(1), 4)
+    _, _, without = run({**PAGE, "policy_args": {"budget": 24}}, long_prompts(1), 4)
+    view = stats["spec_view_bytes"]
+    draft = llm.engine.speculator.draft
+    assert view == draft._copy.nbytes() and stats["spec_view_pages"] == draft._copy.num_pages()
+    cache = without.engine.cache  # pool pages, the page view's scratch (outside the budget) and the null page
+    per_block = cache.pool_nbytes() / (without.engine.block_manager.num_blocks + len(cache.scratch_pages) + 1)
+    budget = 4 * 2 ** 20
+    assert without.engine.block_manager.num_blocks == int(budget // per_block)
+    assert llm.engine.block_manager.num_blocks == int((budget - view) // per_block) < int(budget // per_block)
+
+
+@pytest.mark.parametrize("target", ["fp32", "int4"])
+def test_the_draft_never_writes_the_targets_pool(monkeypatch, target):
+    """Every target pool tensor (a packed format's codes, scales and leased residual rows) is bit-for-bit what it
+    was before the draft proposed."""
+    from kvlab.speculation.drafts.self_compressed import SelfCompressedDraft
+
+    propose, checked = SelfCompressedDraft.propose, []
+
+    def watched(self, seqs, lengths, generators):
+        before = [t.clone() for t in self._cache.page_tensors()]
+        out = propose(self, seqs, lengths, generators)
+        assert all(torch.equal(b, t) for b, t in zip(before, self._cache.page_tensors())), \
+            "the draft wrote into the target's pool"
+        checked.append(len(seqs))
+        return out
+
+    monkeypatch.setattr(SelfCompressedDraft, "propose", watched)
+    batch = long_prompts(3)
+    got, _, _ = run(SNAPKV, batch, 12, **TARGETS[target])
+    assert got == plain_on(batch, 12, target) and checked
+
+
+@pytest.mark.parametrize("view,target", [("token", "fp32"), ("quant", "fp8"), ("page", "fp8"), ("token", "fp8")])
+def test_conformance_suite_with_preemption(view, target):
+    """check_draft: greedy at batch 4 as plain decoding, again in a pool that preempts, seeded sampling
+    reproducible, nothing left; two copy slots, so rounds share them. fp8_e4m3 packs its pages (per-token
+    scales): the packed target here (int4's residual leases leave a pool this small unschedulable even without
+    a draft)."""
+    args = {**VIEWS[view], "max_batch": 2}
+    view_bytes = LLM(MODEL, draft="self_compressed", draft_args=args, block_size=4, kv_cache_memory="4MiB",
+                     **TARGETS[target]).stats()["spec_view_bytes"]
+    pool = {"fp32": 40 * 1024, "fp8": 21 * 576}[target]  # pages that preempt (21 fp8 pages of 4 tokens)
+    check_draft("self_compressed", args, model=MODEL, small_pool=view_bytes + pool, block_size=4, **TARGETS[target])
+
+
+def test_sampled_outputs_follow_the_plain_distribution_through_a_token_view():
+    """1,000 seeded sampled requests (temperature 1, top-k 4) with a one-layer draft over an 8-token SnapKV view:
+    the 2nd and 3rd output tokens are distributed as plain sampling's (two-sample chi-square at 99.9%)."""
+    n, prompt = 1000, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 1, 2]
+    engine = dict(block_size=4, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)
+    sp = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(n)]
+    plain_out = [o.token_ids for o in LLM(MODEL, **engine).generate([prompt] * n, sp)]
+    args = {"policy": "snapkv", "policy_args": {"budget": 8, "window_size": 4}, "refresh": 8, "layers": 1,
+            "num_tokens": 2, "max_batch": 256}
+    llm = LLM(MODEL, draft="self_compressed", draft_args=args, **engine)
+    spec_out = [o.token_ids for o in llm.generate([prompt] * n, sp)]
+    stats = llm.stats()
+    assert stats["spec_drafted_tokens"] >= n and 0 < stats["spec_acceptance_rate"] < 1
+    assert [o[0] for o in spec_out] == [o[0] for o in plain_out]
+    for index in (1, 2):
+        stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
+        assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
