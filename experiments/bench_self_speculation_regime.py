@@ -176,8 +176,9 @@ def aggregate(args) -> str:
         f"caching on (each engine prefills once, untimed); decode tok/s = batch / median time per output token.", "",
         table(rows, COLUMNS), "",
         "The prediction counts bytes only (weights once a pass, each sequence's KV per layer; the view's tokens for "
-        "the self_compressed draft, nothing for ngram). On two shared CPU cores compute and Python overhead per "
-        "pass weigh far more than on a GPU, so measured speed-ups fall short of it, most where it predicts most.", ""])
+        "the self_compressed draft, nothing for ngram). Compute, Python overhead per pass and caches are not in it; "
+        "on two shared CPU cores they can move a measured speed-up either way (a draft pass has the target's fixed "
+        "per-pass costs; attention over the whole context, which a view skips, is compute as well as bytes).", ""])
     print(text)
     md, _ = write_report(args.out, text, {"meta": meta, "cells": data})
     log(f"wrote {md}")
