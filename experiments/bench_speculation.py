@@ -57,7 +57,7 @@ STORIES = ["a robot who learns to paint", "a cat that finds a secret door", "two
 
 COLUMNS = [("task", "task"), ("batch", "batch"), ("draft", "draft"), ("plain_tok_s", "plain tok/s"),
            ("spec_tok_s", "draft tok/s"),
-           ("speedup", "speedup"), ("acceptance", "acceptance a"), ("accepted_len", "mean accepted length"),
+           ("speedup", "speedup"), ("predicted", "predicted (memory traffic)"), ("acceptance", "acceptance a"), ("accepted_len", "mean accepted length"),
            ("predicted_len", "(1-a^(g+1))/(1-a)"), ("draft_share", "draft share of step time"),
            ("identical", "outputs identical")]
 
@@ -115,11 +115,15 @@ def main(argv=None) -> dict:
                                        "acceptance": sp["spec_acceptance_rate"],
                                        "accepted_len": sp["spec_mean_accepted_length"],
                                        "draft_share": sp["spec_draft_time_share"], "identical": sp_out == base_out,
+                                       "verifications": sp["spec_verifications"], "drafted": sp["spec_drafted_tokens"],
+                                       "generated": sp["generated_tokens"], "requests": sp["num_requests"],
                                        "per_position": sp["spec_per_position_acceptance"]})
                     log(f"{task} batch {batch} round {r}: plain {base['tokens_per_s']:.2f} tok/s, {label} "
                         f"{sp['tokens_per_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}")
-            for (label, _, dargs), draft_runs in zip(drafts, runs):
+            context = statistics.mean(len(p) for b in batches for p in b) + args.max_tokens / 2
+            for (label, _, dargs), spec, draft_runs in zip(drafts, specs, runs):
                 rows.append(summarise(task, batch, label, draft_runs, dargs.get("depth", dargs.get("num_tokens"))))
+                rows[-1]["predicted"] = predicted(plain, spec, batch, context, draft_runs[-1])
             if args.hf and batch == 1:
                 anchors += hf_anchor(loaded, task, [b[0] for b in batches], drafts, args.max_tokens, base_out)
     text = report(rows, meta, args, anchors)
@@ -165,6 +169,22 @@ def parse_draft(spec: str, num_tokens: int) -> tuple[str, str, dict]:
     return spec, name, dargs
 
 
+def predicted(plain, spec, batch: int, context: float, last: dict) -> float:
+    """What memory traffic predicts (kvlab/speculation/cost_model.py) from the last round's drafted and emitted
+    tokens per verification, at this batch and the mean context during decoding; 1.0 when nothing was verified."""
+    from kvlab.speculation.cost_model import run_speedup
+    from kvlab.speculation.engine_traffic import draft_pass, target_traffic
+
+    if not last["verifications"]:
+        return 1.0
+    target = target_traffic(plain.engine)
+    k, emitted = last["drafted"] / last["verifications"], last["accepted_len"]
+    decode_tokens = last["generated"] - last["requests"]  # each request's first token comes from its prefill
+    share = min(1.0, emitted * last["verifications"] / decode_tokens) if decode_tokens > 0 else 0.0
+    return run_speedup(target.pass_bytes(batch, context), target.pass_bytes(batch, context + k),
+                       draft_pass(spec.engine)(batch, context), k, emitted, share)
+
+
 def summarise(task: str, batch: int, label: str, runs: list[dict], g: int) -> dict:
     row = {"task": task, "batch": batch, "draft": label, "runs": runs}
     for k in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len", "draft_share"):
@@ -188,11 +208,18 @@ def hf_anchor(loaded, task: str, prompts_: list[list[int]], drafts, max_tokens: 
     kinds = [("plain", {})]
     for label, name, dargs in drafts:
         if name == "ngram":
-            kinds.append((f"prompt_lookup_num_tokens={dargs['num_tokens']}",
-                          {"prompt_lookup_num_tokens": dargs["num_tokens"]}))
-        if name == "layerskip":
-            kinds.append((f"assistant_early_exit={dargs['layers']}",
-                          {"assistant_early_exit": dargs["layers"], "num_assistant_tokens": dargs["num_tokens"]}))
+            ngram = dargs.get("max_ngram", 3)  # HF's default max_matching_ngram_size is 2: kvlab's longest suffix
+            kinds.append((f"prompt_lookup_num_tokens={dargs['num_tokens']}, max_matching_ngram_size={ngram}",
+                          {"prompt_lookup_num_tokens": dargs["num_tokens"], "max_matching_ngram_size": ngram}))
+        if name == "layerskip":  # like for like: HF's assistant defaults to a confidence stop at 0.4; state kvlab's
+            threshold = dargs.get("confidence_threshold") or 0.0
+            schedule = dargs.get("length_rule", "step") if dargs.get("adaptive") else "constant"
+            if schedule == "step":  # HF has no +1 / -1 schedule: its nearest is heuristic (+2 / -1)
+                schedule = "heuristic"
+            kinds.append((f"assistant_early_exit={dargs['layers']}, num_assistant_tokens={dargs['num_tokens']}, "
+                          f"schedule={schedule}, assistant_confidence_threshold={threshold}",
+                          {"assistant_early_exit": dargs["layers"], "num_assistant_tokens": dargs["num_tokens"],
+                           "num_assistant_tokens_schedule": schedule, "assistant_confidence_threshold": threshold}))
     with torch.no_grad():  # warm-up, not timed
         model.generate(torch.tensor([prompts_[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     rows, plain_s = [], None
@@ -224,7 +251,9 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
     per_pos = "\n".join(f"- {r['task']}, batch {r['batch']}, {r['draft']}: " +
                         ", ".join(fmt(x) for x in r["per_position"]) for r in rows)
     hf = ["Hugging Face assisted generation at batch 1, same prompts and token count, wall clock "
-          "(prefill included, sdpa attention):", "", table(anchors, HF_COLUMNS), ""] if anchors else []
+          "(prefill included, sdpa attention), with the draft length, schedule and confidence threshold of the "
+          "kvlab draft stated (Hugging Face's assistant otherwise stops drafting below a top probability of 0.4):",
+          "", table(anchors, HF_COLUMNS), ""] if anchors else []
     return "\n".join([
         f"# Speculative decoding on {args.model}: {', '.join(args.drafts)}", "",
         f"Command: `{meta['command']}`  ", f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
@@ -241,6 +270,10 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
         table(rows, COLUMNS), "", *hf,
         "Per-position acceptance (last round; position i counts when drafts 0..i-1 were accepted):", "",
         per_pos, "",
+        "The predicted speed-up counts bytes read per pass (kvlab/speculation/cost_model.py: the weights once, each "
+        "sequence's KV per layer, for target and draft, at the mean context during decoding) with the measured tokens "
+        "drafted and emitted per verification; compute and Python overhead, which dominate on two CPU cores, are "
+        "not in it.", "",
         "The prediction (1 - a^(g+1)) / (1 - a) assumes every draft is accepted independently with "
         "probability a; n-gram acceptance is bursty (a copied span is accepted whole, a fresh phrase has no "
         "match at all), and rows with no match draft nothing, so the two differ.", ""])

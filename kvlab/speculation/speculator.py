@@ -233,24 +233,23 @@ class Speculator:
             self.tried[i] += t
             self.took[i] += a
         if self.draft.adaptive:
+            # every proposed token accepted grows the length, even when the draft proposed fewer than asked (slem:
+            # n draft tokens re-tokenise into fewer target tokens; a confidence stop); not when max_tokens cut it
             d = self.draft
             for seq, k, a in zip(seqs, ks, accepted):
-                # every proposed token accepted grows the length, even when the draft proposed fewer than
-                # asked (slem: n draft tokens re-tokenise into fewer target tokens); not when max_tokens cut it
-                current = self.length(seq)
-                if a < k:
-                    self._lengths[seq.seq_id] = max(1, current - 1)
-                elif seq.seq_id not in self._capped:
-                    self._lengths[seq.seq_id] = min(d.max_num_tokens, current + 1)
+                self._lengths[seq.seq_id] = d.rule.next_length(self.length(seq), k, a, seq.seq_id in self._capped,
+                                                               d.max_num_tokens)
 
     # -- metrics ---------------------------------------------------------------
     def stats(self, busy_s: float) -> dict:
         """Acceptance rate (accepted / drafted), per-position acceptance (position i accepted when
         verified, i.e. when drafts 0..i-1 were accepted), mean accepted length (tokens emitted per
         verification: accepted drafts + the corrected or bonus token), the share of step time spent
-        drafting."""
+        drafting. `spec_verifications` counts sequence-steps that verified a draft (drafted / verifications:
+        the mean chain length, which adaptive lengths and confidence stops move)."""
         nan = float("nan")
         return {
+            "spec_verifications": self.num_verified,
             "spec_drafted_tokens": self.num_drafted,
             "spec_accepted_tokens": self.num_accepted,
             "spec_acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else nan,

@@ -7,9 +7,12 @@ kvlab/speculation/verifier.py). A draft that knows the distribution it drew each
 (n-gram lookup) is treated as a point mass on its token. A tree draft (SpecInfer, arXiv:2305.09781;
 kvlab/speculation/drafts/tree.py) also returns each token's parent (`Proposal.parents`).
 
-Every chain draft has the same length options: `num_tokens` (the starting and, without
-`adaptive`, the fixed draft length), and `adaptive` (per sequence: one more token after a fully
-accepted chain, one fewer after a rejection, between 1 and `max_num_tokens`).
+Every chain draft has the same length options (kvlab/speculation/draft_length.py): `num_tokens` (the
+starting and, without `adaptive`, the fixed draft length), `adaptive` (per sequence, from its
+acceptance history, between 1 and `max_num_tokens`) by `length_rule` (`step`: +1 after a fully
+accepted chain, -1 after a rejection; `heuristic`: +2 / -1, Hugging Face's schedule), and, for a
+draft with a model, `confidence_threshold` (stop a chain after a token whose distribution's top
+probability is below it; None: never).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kvlab.registry import DRAFTS
+from kvlab.speculation.draft_length import check_threshold, length_rule
 
 if TYPE_CHECKING:
     import torch
@@ -40,10 +44,14 @@ class DraftModel(ABC):
     # capabilities (kvlab/engine/capabilities.py): the accepted tokens' KV is moved into place slot by slot
     # (a token tree's accepted path), which packed pages do not support
     moves_kv_slots: ClassVar[bool] = False
+    # the draft draws its tokens from a distribution, so it can stop a chain when its confidence falls
+    stops_on_confidence: ClassVar[bool] = False
 
     num_tokens: int = 4  # tokens drafted per step (the starting length when adaptive)
     adaptive: bool = False  # grow by one on a fully accepted chain, shrink by one on a rejection
     max_num_tokens: int = 8  # longest chain when adaptive
+    length_rule: str = "step"  # how adaptive lengths move: step (+1 / -1) or heuristic (+2 / -1; Hugging Face's)
+    confidence_threshold: float | None = None  # drafts with a model: stop after a token whose top probability is below
 
     def __post_init__(self) -> None:
         name = getattr(type(self), "registry_name", type(self).__name__)
@@ -51,6 +59,11 @@ class DraftModel(ABC):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft {name}: {key} must be an integer >= 1, got {value!r}")
+        self.rule = length_rule(self.length_rule, name)
+        check_threshold(name, self.confidence_threshold)
+        if self.confidence_threshold is not None and not self.stops_on_confidence:
+            raise ValueError(f"draft {name}: confidence_threshold needs a draft that draws from a model's distribution "
+                             f"(model, layerskip, slem, tli, self_compressed); {name} has none")
         if self.adaptive and self.max_num_tokens < self.num_tokens:
             raise ValueError(f"draft {name}: max_num_tokens ({self.max_num_tokens}) must be >= num_tokens "
                              f"({self.num_tokens}) when adaptive")

@@ -18,9 +18,11 @@ generator, and return that distribution as q.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from kvlab.speculation.draft_length import confident
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.registry import DRAFTS
 from kvlab.sampler import draw, probabilities
@@ -32,6 +34,7 @@ from kvlab.sequence import Sequence
 class ModelDraft(DraftModel):
     """A small model with the target's tokenizer, batched on its own paged KV pool."""
 
+    stops_on_confidence: ClassVar[bool] = True  # confidence_threshold: a chain stops when the draft is unsure
     model: str = "smollm2-135m"  # packaged name, local folder, .gguf file or random:<shape> (kvlab.models)
     seed: int = 0  # weights seed of a random:<shape> draft (the target's seed gives the target's weights)
     _pool: object = field(default=None, init=False, repr=False)  # kvlab.engine.build.PrivatePool
@@ -68,7 +71,9 @@ class ModelDraft(DraftModel):
     def _draft_chains(self, seqs, lengths, generators, allowed: torch.Tensor | None = None):
         """Up to lengths[i] draft-vocabulary tokens per sequence, in k packed passes -> (tokens,
         the distributions sampled rows drew them from). `allowed` [V_draft] bool: the only tokens
-        the draft may propose (its distribution restricted to them before temperature / top-k / top-p)."""
+        the draft may propose (its distribution restricted to them before temperature / top-k / top-p). With a
+        `confidence_threshold`, a sequence drafts nothing after a token whose distribution's top probability is
+        below it (kvlab/speculation/draft_length.py)."""
         if self._pool is None:
             raise RuntimeError(f"draft {self.registry_name!r} was not set up: the engine calls setup(engine) first")
         live = {s.seq_id for s in seqs}
@@ -77,8 +82,10 @@ class ModelDraft(DraftModel):
         shadows = [self._sync(s) for s in seqs]
         drafted: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        unsure: set[int] = set()  # sequences whose chain a confidence stop ended
         for j in range(max(lengths, default=0)):
-            active = [i for i, (sh, n) in enumerate(zip(shadows, lengths)) if sh is not None and j < n]
+            active = [i for i, (sh, n) in enumerate(zip(shadows, lengths))
+                      if sh is not None and j < n and i not in unsure]
             active = [i for i in active if self._grow(shadows, i)]
             if not active:
                 break
@@ -86,6 +93,7 @@ class ModelDraft(DraftModel):
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
             q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
+            unsure |= self._unsure(logits, active)
             for row, i in enumerate(active):
                 token = draw(q[row], seqs[i].params.greedy, generators[i])
                 if not seqs[i].params.greedy:
@@ -93,6 +101,14 @@ class ModelDraft(DraftModel):
                 drafted[i].append(token)
                 shadows[i].token_ids.append(token)
         return drafted, probs
+
+    def _unsure(self, logits: torch.Tensor, active: list[int]) -> set[int]:
+        """The sequences of `active` (rows of logits [len(active), V]) whose draft is unsure: the top probability
+        of its own distribution (softmax of its logits, temperature 1) below the confidence threshold. Each
+        drafts this token, then stops."""
+        if self.confidence_threshold is None:
+            return set()
+        return unsure(logits, active, self.confidence_threshold)
 
     # -- the shadow sequences on the draft's pool --------------------------------
     def _sync(self, seq: Sequence) -> Sequence:
@@ -143,6 +159,12 @@ class ModelDraft(DraftModel):
         sh = self._shadows.pop(seq_id, None)
         if sh is not None:
             self._pool.free(sh)
+
+
+def unsure(logits: torch.Tensor, rows: list, threshold: float) -> set:
+    """`rows` (one per row of logits [R, V]) whose softmax's top probability is below `threshold`."""
+    top = logits.float().softmax(-1).amax(-1).tolist()  # [R]
+    return {r for r, p in zip(rows, top) if not confident(p, threshold)}
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

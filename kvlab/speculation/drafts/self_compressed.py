@@ -38,6 +38,7 @@ from kvlab.registry import DRAFTS, POLICIES, QUANT_FORMATS
 from kvlab.sampler import draw, probabilities
 from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.speculation.drafts.layerskip import early_exit
+from kvlab.speculation.drafts.model import unsure as unsure_rows
 from kvlab.speculation.drafts.page_view import SUPPORTED, PageView, page_view
 from kvlab.speculation.drafts.token_view import QueryLog, TokenView, gather_heads
 from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, through_format
@@ -73,6 +74,7 @@ class SelfCompressedDraft(DraftModel):
     max_batch: int = 16  # sequences drafted in one pass (the scratch, or the copy, holds this many)
 
     reads_target_cache: ClassVar[bool] = True  # capabilities: the draft reads the target's cache, writes none of it
+    stops_on_confidence: ClassVar[bool] = True  # confidence_threshold (kvlab/speculation/draft_length.py)
 
     _view: PageView | TokenView | None = field(default=None, init=False, repr=False)
 
@@ -211,14 +213,17 @@ class SelfCompressedDraft(DraftModel):
             views = [self._views(seq, i) for i, seq in enumerate(seqs)]
         drafted: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        unsure: set[int] = set()  # sequences whose chain a confidence stop ended
         for j in range(max(lengths, default=0)):
-            active = [i for i, n in enumerate(lengths) if j < n]
+            active = [i for i, n in enumerate(lengths) if j < n and i not in unsure]
             if not active:
                 break
             ids = [drafted[i][-1] if j else seqs[i].token_ids[-1] for i in active]
             positions = [seqs[i].num_tokens - 1 + j for i in active]  # the last committed token's, then its drafts'
             logits = self._forward(ids, positions, [views[i] for i in active], j)  # [len(active), V]
             q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
+            if self.confidence_threshold is not None:  # kvlab/speculation/draft_length.py
+                unsure |= unsure_rows(logits, active, self.confidence_threshold)
             for row, i in enumerate(active):
                 token = draw(q[row], seqs[i].params.greedy, generators[i])
                 if not seqs[i].params.greedy:

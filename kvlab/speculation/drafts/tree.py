@@ -67,6 +67,7 @@ class TreeDraft(ModelDraft):
     `branch_levels` levels, chains below, `depth` levels in all."""
 
     moves_kv_slots: ClassVar[bool] = True  # the accepted path's KV moves to the committed positions
+    stops_on_confidence: ClassVar[bool] = False  # a tree has a fixed shape: no confidence stop
     num_tokens: int = field(default=1, init=False)  # the node count (set from the shape)
     max_num_tokens: int = field(default=1, init=False)
     model: str | None = None  # drafting model (as for 'model'); None: the target's first `layers` layers
