@@ -17,6 +17,7 @@ MISSING = "does-not-exist"  # a model that cannot load: an error about the combi
 SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
+    "offloading without prefix caching": (dict(offload="host"), dict(offload="host", enable_prefix_caching=True)),
     "sparse reading with a token-tree draft": (dict(policy="quest", policy_args={"budget": 64}, draft="tree"),
                                                dict(policy="quest", policy_args={"budget": 64}, draft="ngram")),
     "a compressing policy with an allocator that cannot compact": (

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvlab.cache.tiers.disk import DiskTier
 from kvlab.cache.tiers.store import HostTier
@@ -40,6 +40,10 @@ def offload_problem(offload: str | None, args: dict) -> str | None:
         return None
     if offload not in OFFLOADS:
         return f"offload must be None or one of {', '.join(OFFLOADS)}, got {offload!r}"
+    known = [f.name for f in fields(OffloadArgs)]
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        return f"no parameter(s) {', '.join(unknown)}; the tiers' parameters are: {', '.join(known)}"
     try:
         OffloadArgs(**args)
     except (TypeError, ValueError) as exc:

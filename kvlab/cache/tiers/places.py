@@ -123,8 +123,12 @@ class Places:
         """Victims leave full `tier` (spilled down or dropped) until it has room; False if none may."""
         while self.held[tier] >= self.capacities[tier]:
             victim = self.placement.victim(tier)
-            if victim is None or victim in self.claimed or self.tier_of.get(victim) != tier:
+            if victim is None:
                 return False
+            if victim in self.claimed or self.tier_of.get(victim) != tier:
+                raise ValueError(f"placement {type(self.placement).__name__} named {victim!r} as tier {self.kinds[tier]}'s "
+                                 f"victim, which that tier does not hold (or a request claimed it): a placement must "
+                                 f"forget a page on removed()")
             self._evict(victim, tier)
         return True
 
