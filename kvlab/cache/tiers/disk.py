@@ -1,4 +1,4 @@
-"""The disk tier: one file per page in a folder, written and read through numpy memory maps.
+"""The disk tier: one file per page in a folder, written with numpy `tofile`, read back through a memory map.
 
 A page's parts are laid end to end as raw bytes (each part's dtype and shape are the pool's, known from
 the tensors it is loaded into), so a page file is exactly `page_nbytes` long: a missing or shorter file is
@@ -87,10 +87,7 @@ class DiskTier(Tier):
         self._next += 1
         file = self.folder / f"{self._next}{SUFFIX}"
         raw = torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in parts])  # [page_nbytes]
-        mm = np.memmap(file, dtype=np.uint8, mode="w+", shape=(raw.numel(),))
-        mm[:] = raw.numpy()
-        mm.flush()
-        del mm
+        raw.numpy().tofile(file)  # through the OS page cache (no msync per page: the tier is a cache, not a log)
         self.drop(key)
         self.files[key] = file
 
@@ -102,7 +99,7 @@ class DiskTier(Tier):
         if not self.readable(key):
             raise TierReadError(f"disk tier page file {self.files.get(key)} is missing or truncated")
         file = self.files.pop(key)
-        raw = torch.from_numpy(np.array(np.memmap(file, dtype=np.uint8, mode="r")))  # [page_nbytes]
+        raw = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="r").copy())  # [page_nbytes]
         offset = 0
         for dst in into:
             n = dst.numel() * dst.element_size()
