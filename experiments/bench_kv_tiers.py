@@ -110,7 +110,10 @@ def main(argv=None) -> dict:
         row["ttft_speedup_vs_recompute"] = base / row["ttft_returning_median_s"]
     reference = runs["recompute"][0]["answers"]
     identical = {n: all(x["answers"] == reference for x in rs) for n, rs in runs.items()}
-    results = {"command": " ".join(["python experiments/bench_kv_tiers.py", *(argv or [])]) if argv else None,
+    import sys
+
+    command = " ".join(["python experiments/bench_kv_tiers.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {"command": command,
                "args": vars(args), "rows": rows, "answers_identical_to_recompute": identical}
     text = report(results, args)
     out = Path(args.out)
@@ -133,7 +136,8 @@ def report(results: dict, args) -> str:
         f"{args.max_tokens} greedy tokens per turn; prefix caching on a KV pool of {args.kv_memory}, block "
         f"{args.block_size}; tiers of {args.tier_memory}; medians of {args.repeats} runs per variant (fresh engine "
         f"each), {args.threads} torch thread(s)", "", *lines, "",
-        f"Greedy answers identical to the recompute run's (every repeat): {same}", ""])
+        f"Greedy answers identical to the recompute run's (every repeat): {same}", "",
+        f"Command: `{results['command']}`", ""])
 
 
 def parse_args(argv=None) -> argparse.Namespace:

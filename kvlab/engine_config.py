@@ -32,8 +32,8 @@ from kvlab.sampling_params import MAX_SEED
 from kvlab.schema import ConfigError, fields_of, fits, type_problem
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args", "prefix_eviction_args", "offload_args",
-               "offload_placement_args")
+PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args", "prefix_eviction_args", "offload_placement_args")
+DICT_ARGS = PLUGIN_ARGS + ("offload_args",)  # mappings of parameters (offload_args: the tiers', not a plugin's)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -105,7 +105,7 @@ class EngineConfig:
     offload_placement_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
 
     def __post_init__(self) -> None:
-        for name in PLUGIN_ARGS:
+        for name in DICT_ARGS:
             if getattr(self, name) is None:
                 setattr(self, name, {})
         for name, (annotation, _) in fields_of(type(self)).items():
@@ -129,7 +129,7 @@ class EngineConfig:
             raise EngineOptionError("max_model_len", f"must be >= 2 or None, got {self.max_model_len}")
         if not 0 <= self.seed < MAX_SEED:
             raise EngineOptionError("seed", f"must be an integer in [0, 2**63), got {self.seed}")
-        for name in PLUGIN_ARGS:
+        for name in DICT_ARGS:
             setattr(self, name, dict(getattr(self, name)))
         for key, problem in (("device", device_problem(self.device)),
                              ("kernel_backend", backend_problem(self.kernel_backend, self.device))):

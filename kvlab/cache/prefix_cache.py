@@ -277,10 +277,12 @@ class PrefixCache:
             node = node.parent
 
     def drain(self) -> None:
-        """Drop every offloaded page (the engine closes)."""
+        """Drop every offloaded page and stop demoting (the engine closes its tiers: evicted pages are dropped
+        from now on, as without tiers)."""
         if self.places is not None:
             for key in self.places.drain():
                 self._lost(key)
+        self.places = None
 
     def _unregister(self, page: int) -> None:
         node, group = self.page_node.pop(page)

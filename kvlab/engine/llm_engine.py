@@ -515,7 +515,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Give back what outlives the engine's memory: the tiers below the pool are drained and closed (a disk
-        tier's page files and folder removed). The engine stays usable without its tiers' pages."""
+        tier's page files and folder removed). The engine stays usable, without tiers (evicted pages dropped again)."""
         self.kv.close_tiers()
 
     def reset_stats(self) -> None:

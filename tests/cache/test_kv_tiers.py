@@ -155,6 +155,11 @@ def test_close_drains_the_tiers_and_removes_the_disk_folder(tmp_path):
     assert llm.stats()["tier_pages_held"] == 0
     assert llm.engine.block_manager.prefix_cache.offloaded_nodes == {}
     assert all(not n.offloaded for nodes in llm.engine.block_manager.prefix_cache.index.values() for n in nodes)
+    demoted = llm.stats()["tier_demoted"]
+    want, _ = reference()
+    assert [[o.token_ids for o in llm.generate(b, SamplingParams(max_tokens=10, ignore_eos=True))]
+            for b in BATCHES] == want  # still usable, without tiers: evicted pages are dropped again
+    assert llm.stats()["tier_demoted"] == demoted
 
 
 def test_a_stale_folder_is_refused_or_cleaned(tmp_path):
