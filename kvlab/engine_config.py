@@ -32,7 +32,8 @@ from kvlab.sampling_params import MAX_SEED
 from kvlab.schema import ConfigError, fields_of, fits, type_problem
 
 ALLOWED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args", "prefix_eviction_args")
+PLUGIN_ARGS = ("allocator_args", "policy_args", "quant_args", "draft_args", "prefix_eviction_args", "offload_placement_args")
+DICT_ARGS = PLUGIN_ARGS + ("offload_args",)  # mappings of parameters (offload_args: the tiers', not a plugin's)
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -96,9 +97,15 @@ class EngineConfig:
     # its new tokens; outputs then depend on the hit (kvlab/cache/kept_turns.py); off by default
     reuse_compressed: bool = False
     reuse_compressed_max_turns: int = 64  # most finished turns kept (the least recently used goes first, or under pool pressure)
+    # tiers below the pool (with prefix caching): pages evicted from the prefix cache go to host memory and/or disk and
+    # come back on a hit instead of being recomputed (kvlab/cache/tiers/); None: off
+    offload: Literal["host", "disk", "host_disk"] | None = None
+    offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale
+    offload_placement: str = "lru"  # registered placement (kvlab.registry.PLACEMENTS): which tier a page goes to, which leaves
+    offload_placement_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
 
     def __post_init__(self) -> None:
-        for name in PLUGIN_ARGS:
+        for name in DICT_ARGS:
             if getattr(self, name) is None:
                 setattr(self, name, {})
         for name, (annotation, _) in fields_of(type(self)).items():
@@ -122,7 +129,7 @@ class EngineConfig:
             raise EngineOptionError("max_model_len", f"must be >= 2 or None, got {self.max_model_len}")
         if not 0 <= self.seed < MAX_SEED:
             raise EngineOptionError("seed", f"must be an integer in [0, 2**63), got {self.seed}")
-        for name in PLUGIN_ARGS:
+        for name in DICT_ARGS:
             setattr(self, name, dict(getattr(self, name)))
         for key, problem in (("device", device_problem(self.device)),
                              ("kernel_backend", backend_problem(self.kernel_backend, self.device))):

@@ -126,6 +126,16 @@ class LLM:
     def reset_stats(self) -> None:
         self.engine.reset_stats()
 
+    def close(self) -> None:
+        """Drain and close the tiers below the pool (a disk tier's files go); see LLMEngine.close."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- helpers -------------------------------------------------------------
     @staticmethod
     def _as_list(prompts) -> list:

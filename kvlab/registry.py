@@ -36,6 +36,7 @@ ENTRY_POINT_GROUP = "kvlab.plugins"
 _BUILTIN_MODULES = (
     "kvlab.cache.allocators",
     "kvlab.cache.prefix_eviction",
+    "kvlab.cache.tiers.placement",
     "kvlab.cache.quant",
     "kvlab.speculation.drafts",
     "kvlab.policies",
@@ -179,6 +180,7 @@ POLICIES: Registry = Registry("policy", plural="policies")
 DRAFTS: Registry = Registry("draft model")
 QUANT_FORMATS: Registry = Registry("quantisation format")
 PREFIX_EVICTIONS: Registry = Registry("prefix-cache eviction policy", plural="prefix-cache eviction policies")
+PLACEMENTS: Registry = Registry("offload placement")
 
 REGISTRIES: dict[str, Registry] = {
     "allocator": ALLOCATORS,
@@ -186,6 +188,7 @@ REGISTRIES: dict[str, Registry] = {
     "draft": DRAFTS,
     "quant": QUANT_FORMATS,
     "prefix_eviction": PREFIX_EVICTIONS,
+    "offload_placement": PLACEMENTS,
 }
 
 

@@ -215,7 +215,7 @@ class BlockManager:
         nodes = self.prefix_cache.match(seq.token_ids, salt, last // bs)
         k = len(nodes)
         for g in self.full_groups:  # a full-attention group needs every page before the hit
-            k = next((i for i in range(k) if g not in nodes[i].pages), k)
+            k = next((i for i in range(k) if not self.prefix_cache.holds(nodes[i], g)), k)
         if self.shareable is not None:  # a page open in another sequence's window is not shared
             k = next((i for i in range(k) if not all(self.shareable(p, self.allocator.num_owners(p) == 0)
                                                      for p in nodes[i].pages.values())), k)
@@ -307,11 +307,28 @@ class BlockManager:
         return 0 if window is None else max(0, hit - window + 1) // self.block_size
 
     def _has_pages(self, group: int, nodes: list[Node], hit: int) -> bool:
-        return all(group in nodes[i].pages for i in range(self._first_needed(group, hit), len(nodes)))
+        """Are the blocks `nodes` needs for a hit of `hit` tokens held in `group` (in the pool or a tier)?"""
+        return all(self.prefix_cache.holds(nodes[i], group) for i in range(self._first_needed(group, hit), len(nodes)))
 
     def _cached_pages(self, group: int, nodes: list[Node], hit: int) -> list[int]:
         first = self._first_needed(group, hit)
-        return [NULL_BLOCK] * first + [node.pages[group] for node in nodes[first:]]
+        return [NULL_BLOCK] * first + [node.pages.get(group, NULL_BLOCK) for node in nodes[first:]]  # NULL: in a tier
+
+    def _offloaded(self, nodes: list[Node], hit: int) -> list[tuple[int, int, Node]]:
+        """(group, block index, node) of a hit's blocks whose pages are in a tier below the pool."""
+        return [(g, i, nodes[i]) for g in range(len(self.groups)) for i in range(self._first_needed(g, hit), len(nodes))
+                if g not in nodes[i].pages and g in nodes[i].offloaded]
+
+    def _restore(self, seq: Sequence, nodes: list[Node], hit: int) -> None:
+        """Bring a hit's offloaded blocks back into fresh pages of `seq`'s tables (after its resident hit pages
+        are held: taking a page may evict a parked one). They are claimed first, so making room for an evicted
+        page never drops one of them."""
+        entries = self._offloaded(nodes, hit)
+        if not entries:
+            return
+        self.prefix_cache.claim([(node, g) for g, _, node in entries])
+        for g, i, node in entries:
+            self.prefix_cache.restore(node, g, self.allocator.take_into(self.key(seq, g), i))
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching)."""
@@ -396,8 +413,10 @@ class BlockManager:
                              f"holds {hit}: set num_computed_tokens to the hit's tokens before allocate")
         used, saved, taken = [], 0, set()
         for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
-            pages = self._cached_pages(g, nodes, hit)
-            self.allocator.allocate_cached(key, pages, hit)
+            self.allocator.allocate_cached(key, self._cached_pages(g, nodes, hit), hit)
+        self._restore(seq, nodes, hit)  # then the pages that were in a tier, into fresh pages
+        for g, key in enumerate(self._keys(seq)):
+            pages = list(self.allocator.block_table(key))
             used += [p for p in pages if p != NULL_BLOCK]
             taken |= {(g, p) for p in pages if p != NULL_BLOCK}
             saved += sum(1 for p in pages[:hit // self.block_size] if p != NULL_BLOCK)  # a partial page is copied

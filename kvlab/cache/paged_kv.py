@@ -18,16 +18,29 @@ tensors hold (the KV cache). `PagedKV` is the only place that does both, each as
     rollback(seq, num_tokens)       rejected tentative tokens: their slots go (an open packed page is
                                     re-encoded on its next write; nothing to move)
 
+With tiers below the pool (`attach_tiers`; docs/design.md, "Tiers below the pool") it is also the mover
+of `kvlab.cache.tiers.places.Places`, which calls it at the moment its bookkeeping decides a move:
+
+    demote(page, tier, key)         an evicted prefix-cache page -> a tier (before the page is reused)
+    restore(key, tier, page)        a tier's page -> a fresh pool page a prefix hit took (then it is registered)
+    spill(key, src, dst)            a tier's victim -> a slower tier
+    discard(key, tier)              a tier's copy goes (dropped, or the pool holds the block again)
+
 Callers (the model runner, the compressor, the speculator) read through the block manager and the
 cache as before; they move KV only through here.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Hashable
+
 import torch
 
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.tiers.places import Places
+from kvlab.cache.tiers.tier import Tier
 from kvlab.sequence import Sequence
 
 
@@ -35,6 +48,69 @@ class PagedKV:
     def __init__(self, block_manager: BlockManager, cache: KVCache):
         self.block_manager = block_manager
         self.cache = cache
+        self.tiers: list[Tier] = []
+        self.places: Places | None = None
+
+    # -- tiers below the pool ------------------------------------------------------
+    def attach_tiers(self, tiers: list[Tier], places: Places) -> None:
+        """Pages evicted from the prefix cache go down to `tiers` (fastest first) as `places` decides."""
+        self.tiers, self.places = tiers, places
+        places.mover = self
+        self.block_manager.prefix_cache.attach_places(places)
+
+    def page_parts(self, page: int) -> list[torch.Tensor]:
+        """Views of everything the pool holds for `page`: `t[page]` of every page-indexed tensor, K before V
+        (a packed format's codes, scales and zero points: a quantised page moves as what it stores)."""
+        return [t[page] for t in self.cache.page_tensors()]
+
+    def page_nbytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.cache.page_tensors())
+
+    def _timed(self, nbytes: int, started: float) -> None:
+        self.places.stats.bytes_moved += nbytes
+        self.places.stats.move_seconds += time.perf_counter() - started
+
+    def demote(self, page: int, tier: int, key: Hashable) -> None:
+        """Copy pool `page` into `tiers[tier]` under `key` (the page is about to be reused)."""
+        if not self.movable(page):
+            raise RuntimeError(f"page {page} is open in a residual row: only sealed pages leave the pool")
+        started = time.perf_counter()
+        self.tiers[tier].put(key, self.page_parts(page))
+        self._timed(self.page_nbytes(), started)
+
+    def restore(self, key: Hashable, tier: int, page: int) -> None:
+        """Copy `key` from `tiers[tier]` into pool `page`, bit for bit; the tier's copy goes."""
+        started = time.perf_counter()
+        self.tiers[tier].load(key, self.page_parts(page))
+        self._timed(self.page_nbytes(), started)
+
+    def spill(self, key: Hashable, src: int, dst: int) -> None:
+        """Move `key` from `tiers[src]` to the slower `tiers[dst]` (through a staging copy)."""
+        started = time.perf_counter()
+        staged = [torch.empty_like(t, device="cpu") for t in self.page_parts(0)]
+        self.tiers[src].load(key, staged)
+        self.tiers[dst].put(key, staged)
+        self._timed(self.page_nbytes(), started)
+
+    def movable(self, page: int) -> bool:
+        """Does the pool hold all of `page` in its parts (not open in a residual row, which stays behind)?"""
+        return self.cache.area is None or int(self.cache.area.row_of[page]) < 0
+
+    def discard(self, key: Hashable, tier: int) -> None:
+        self.tiers[tier].drop(key)
+
+    def readable(self, key: Hashable, tier: int) -> bool:
+        return self.tiers[tier].readable(key)
+
+    def tier_len(self, tier: int) -> int:
+        return len(self.tiers[tier])
+
+    def close_tiers(self) -> None:
+        """Drain the tiers (every offloaded page dropped, the prefix cache forgets them) and close them."""
+        if self.places is not None:
+            self.block_manager.prefix_cache.drain()
+        for tier in self.tiers:
+            tier.close()
 
     def apply_copies(self) -> int:
         """Copy the pages copy-on-write duplicated (src -> dst, every part and residual row); how many."""

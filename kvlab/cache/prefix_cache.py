@@ -26,6 +26,8 @@ released by the window); full-attention groups need every block before `h`.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import warnings
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +35,7 @@ from typing import Callable
 from kvlab.cache.prefix_eviction.base import PrefixEviction
 
 HashFn = Callable[[bytes, "int | None", tuple], int]
+_UIDS = itertools.count()
 
 
 def chain_hash(salt: bytes, parent: int | None, tokens: tuple) -> int:
@@ -65,6 +68,8 @@ class Node:
     pages: dict = field(default_factory=dict)  # group -> page
     children: list = field(default_factory=list)  # nodes whose parent this is
     alive: bool = True
+    offloaded: dict = field(default_factory=dict)  # group -> tier key: the block's page lives in a tier below the pool
+    uid: int = field(default_factory=lambda: next(_UIDS))  # stable id (tier keys are (uid, group))
 
 
 @dataclass
@@ -92,6 +97,15 @@ class PrefixCache:
         # called with a node that loses a page (evicted): what is kept beside its pages goes with them
         # (a compressor's accumulated attention of the prefix, kvlab.policies.prefix_mass)
         self.on_unregister: list[Callable[[Node], None]] = []
+        # tiers below the pool (kvlab.cache.tiers.places.Places; None: an evicted page is dropped): an evicted
+        # page is demoted there and stays findable, its node's entry in `offloaded` until a hit restores it
+        self.places = None
+        self.offloaded_nodes: dict = {}  # tier key -> node
+
+    def attach_places(self, places) -> None:
+        """Demote evicted pages into `places`' tiers instead of dropping them."""
+        self.places = places
+        places.on_drop = self._lost
 
     # -- lookup ------------------------------------------------------------------
     def _block(self, token_ids: list[int], i: int) -> tuple:
@@ -177,10 +191,17 @@ class PrefixCache:
     def _register(self, node: Node, pages: list[int]) -> None:
         """`pages[g]` (-1: none) holds `node`'s tokens in group g; registered unless taken already."""
         for g, page in enumerate(pages):
+            if page >= 0 and g in node.offloaded and page not in self.page_node:
+                self._discard_offloaded(node, g)  # the pool holds the block again: its tier copy goes
             if page >= 0 and g not in node.pages and page not in self.page_node:
                 node.pages[g] = page
                 self.page_node[page] = (node, g)
                 self.eviction.register(page, node.hash)
+
+    def _discard_offloaded(self, node: Node, group: int) -> None:
+        key = node.offloaded.pop(group)
+        del self.offloaded_nodes[key]
+        self.places.discard(key)
 
     # -- pages -------------------------------------------------------------------
     def is_registered(self, page: int) -> bool:
@@ -200,9 +221,68 @@ class PrefixCache:
     def evict(self) -> int:
         """A cached-free page to reuse now, unregistered (its node drops it)."""
         page = self.eviction.evict()
-        self._unregister(page)
         self.stats.evictions += 1
+        if not (self.places is not None and self._offload(page)):
+            self._unregister(page)
         return page
+
+    # -- tiers below the pool ------------------------------------------------------
+    def _offload(self, page: int) -> bool:
+        """Demote evicted `page` to a tier: its node keeps the block findable (`offloaded`); False if the
+        placement sends it nowhere."""
+        node, group = self.page_node[page]
+        key = (node.uid, group)
+        node.offloaded[group] = key  # first: a drop the demotion causes must not prune this node
+        self.offloaded_nodes[key] = node
+        if not self.places.demote(key, page):
+            del node.offloaded[group], self.offloaded_nodes[key]
+            return False
+        del self.page_node[page], node.pages[group]
+        self.eviction.forget(page)
+        return True
+
+    def holds(self, node: Node, group: int) -> bool:
+        """Does the cache hold `node`'s block in `group`, in the pool or readable in a tier?"""
+        if group in node.pages:
+            return True
+        if group not in node.offloaded:
+            return False
+        if self.places.readable(node.offloaded[group]):
+            return True
+        warnings.warn(f"a tier could not read back a cached page (block of {len(node.tokens)} tokens, group {group}): "
+                      f"it is recomputed", RuntimeWarning, stacklevel=2)
+        self._lost(node.offloaded[group])
+        return False
+
+    def claim(self, entries: list[tuple[Node, int]]) -> None:
+        """Offloaded (node, group) entries a request was admitted on: kept until `restore`."""
+        self.places.claim([node.offloaded[g] for node, g in entries])
+
+    def restore(self, node: Node, group: int, page: int) -> None:
+        """`node`'s block in `group` comes back from its tier into fresh pool `page`, registered again."""
+        key = node.offloaded.pop(group)
+        del self.offloaded_nodes[key]
+        self.places.restore(key, page)
+        self._register(node, [page if g == group else -1 for g in range(group + 1)])
+
+    def _lost(self, key) -> None:
+        """Tier key `key` is no longer held anywhere (dropped from the last tier, or unreadable)."""
+        node = self.offloaded_nodes.pop(key, None)
+        if node is None:
+            return
+        node.offloaded.pop(key[1], None)
+        for listener in self.on_unregister:
+            listener(node)
+        while node is not None and self._prune(node):
+            node = node.parent
+
+    def drain(self) -> None:
+        """Drop every offloaded page and stop demoting (the engine closes its tiers: evicted pages are dropped
+        from now on, as without tiers)."""
+        if self.places is not None:
+            for key in self.places.drain():
+                self._lost(key)
+        self.places = None
 
     def _unregister(self, page: int) -> None:
         node, group = self.page_node.pop(page)
@@ -215,7 +295,7 @@ class PrefixCache:
 
     def _prune(self, node: Node) -> bool:
         """Take a live node with no page and no child out of the tree; False if it must stay."""
-        if not (node.alive and not node.pages and not node.children):
+        if not (node.alive and not node.pages and not node.offloaded and not node.children):
             return False
         self._drop_from_index(node)
         node.alive = False

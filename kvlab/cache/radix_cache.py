@@ -92,7 +92,7 @@ class RadixCache(PrefixCache):
         tokens = tuple(token_ids[k * bs:num_computed])
         siblings = parent.children if parent is not None else self.roots.get(salt, [])
         for node in siblings:
-            if node.tokens[:rem] == tokens and len(node.pages) == len(tables):
+            if node.tokens[:rem] == tokens and len(node.pages) + len(node.offloaded) == len(tables):
                 return  # already cached (this page, or one holding these tokens and more)
         node = next((n for n in siblings if n.tokens == tokens), None) or self._add_node(0, tokens, parent, salt)
         self._register(node, pages)

@@ -21,6 +21,8 @@ from kvlab.cache.kv_cache import KVCache, bytes_per_block
 from kvlab.cache.paged_kv import PagedKV
 from kvlab.cache.kept_turns import KeptTurns
 from kvlab.cache.prefix_index import prefix_index
+from kvlab.cache.tiers.offload import make_tiers, offload_problem
+from kvlab.cache.tiers.places import Places
 from kvlab.cache.quant.lease import lessor_for, row_claims
 from kvlab.engine import attention
 from kvlab.engine.capabilities import Capabilities, capabilities, check
@@ -30,7 +32,7 @@ from kvlab.kernels import ops
 from kvlab.models import LoadedModel, load_model
 from kvlab.policies.compressor import DEFAULT_CHUNK, Compressor
 from kvlab.policies.sparse_read import SparseRead, SparseReadPolicy, check_engine
-from kvlab.registry import ALLOCATORS, DRAFTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
+from kvlab.registry import ALLOCATORS, DRAFTS, PLACEMENTS, POLICIES, PREFIX_EVICTIONS, QUANT_FORMATS, load_plugins
 from kvlab.sequence import Sequence
 from kvlab.speculation.speculator import Speculator
 
@@ -201,6 +203,10 @@ def resolve(config):
     policy = POLICIES.build(config.policy, **config.policy_args)
     quant = QUANT_FORMATS.build(config.quant, **config.quant_args)
     PREFIX_EVICTIONS.build(config.prefix_eviction, **config.prefix_eviction_args)
+    PLACEMENTS.build(config.offload_placement, **config.offload_placement_args)
+    problem = offload_problem(config.offload, config.offload_args)
+    if problem:
+        raise ValueError(f"offload_args: {problem}")
     draft = DRAFTS.build(config.draft, **config.draft_args) if config.draft is not None else None
     caps = capabilities(config, policy, quant, type(allocator), draft)
     check(caps)
@@ -288,6 +294,15 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
     return bm, cache, per_block
 
 
+def attach_tiers(config, kv: PagedKV) -> None:
+    """The tiers `config.offload` names, their placement and bookkeeping, handed to the one door."""
+    nbytes = kv.page_nbytes()
+    tiers = make_tiers(config.offload, config.offload_args, nbytes, pin=torch.device(config.device).type == "cuda")
+    places = Places([t.kind for t in tiers], [t.capacity for t in tiers],
+                    PLACEMENTS.build(config.offload_placement, **config.offload_placement_args), nbytes, config.block_size)
+    kv.attach_tiers(tiers, places)
+
+
 def compression_chunk(config) -> int:
     """Prompt tokens between a when="chunk" policy's compression points: `max_prefill_chunk`, else 512 (never
     the step budget, which would make what a prompt keeps depend on it)."""
@@ -305,6 +320,8 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
     bos, eos = special_tokens(loaded.tokenizer, mc)
     bm, cache, per_block = page_pool(config, allocator, policy, quant, mc, max_model_len, draft)
     kv = PagedKV(bm, cache)  # the one door for KV moves (kvlab/cache/paged_kv.py)
+    if config.offload is not None:  # tiers below the pool (docs/design.md, "Tiers below the pool")
+        attach_tiers(config, kv)
     scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
     compressor = Compressor(policy, kv, getattr(torch, config.dtype), compression_chunk(config)) \
         if policy.compresses else None

@@ -50,6 +50,7 @@ class Capabilities:
     batch_invariant: bool = False  # every row of a pass computed alike (EngineConfig.batch_invariant)
     reuses_compressed_turns: bool = False  # finished compressed turns kept for the next (EngineConfig.reuse_compressed)
     samples: int = 1  # a request's SamplingParams.n (the request-time rows)
+    offload: str | None = None  # tiers below the pool (EngineConfig.offload)
 
 
 def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilities:
@@ -79,6 +80,7 @@ def capabilities(config, policy, quant, allocator_cls: type, draft) -> Capabilit
         backend=backend,
         batch_invariant=bool(getattr(config, "batch_invariant", False)),
         reuses_compressed_turns=bool(getattr(config, "reuse_compressed", False)),
+        offload=getattr(config, "offload", None),
     )
 
 
@@ -95,6 +97,10 @@ class Refusal:
 
 
 REFUSED: list[Refusal] = [
+    Refusal("offloading without prefix caching", "tiers hold pages the prefix cache evicts",
+            lambda c: c.offload is not None and not c.prefix_caching,
+            lambda c: f"offload={c.offload!r} keeps pages evicted from the prefix cache in tiers below the pool (a "
+                      f"preempted request's pages reach them through it too); set enable_prefix_caching=True"),
     Refusal("sparse reading with accumulated attention statistics",
             "the statistics of a reduced read are not collected",
             lambda c: c.sparse_read and c.accumulated_attention,

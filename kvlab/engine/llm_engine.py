@@ -25,6 +25,7 @@ from kvlab.models import LoadedModel
 from kvlab.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from kvlab.cache.kept_turns import KeptTurnStats
 from kvlab.cache.prefix_cache import PrefixStats
+from kvlab.cache.tiers.places import TierStats
 from kvlab.sampler import SamplingError, request_generator, sample
 from kvlab.sampling_params import SamplingParams, as_sampling_params
 from kvlab.sequence import Sequence
@@ -500,7 +501,28 @@ class LLMEngine:
             summary.update(self.cache.sparse_read.stats())
         if self.speculator:
             summary.update(self.speculator.stats(self.metrics.busy_s))
+        if self.kv.places is not None:
+            summary.update(self.tier_stats())
         return summary
+
+    def tier_stats(self) -> dict:
+        """The tiers below the pool: pages held per tier, demoted, restored (hits per tier), spilled, dropped,
+        failed reads, bytes moved and the time spent moving them."""
+        places = self.kv.places
+        st = places.stats
+        out = dict(tier_pages_held=len(places), tier_demoted=st.demoted, tier_restored=st.restored,
+                   tier_spilled=st.spilled, tier_dropped=st.dropped, tier_refused=st.refused,
+                   tier_failed_reads=st.failed_reads, tier_bytes_moved=st.bytes_moved,
+                   tier_move_seconds=st.move_seconds)
+        for t, kind in enumerate(places.kinds):
+            out[f"tier_{kind}_pages_held"] = places.held[t]
+            out[f"tier_{kind}_hits"] = st.hits.get(kind, 0)
+        return out
+
+    def close(self) -> None:
+        """Give back what outlives the engine's memory: the tiers below the pool are drained and closed (a disk
+        tier's page files and folder removed). The engine stays usable, without tiers (evicted pages dropped again)."""
+        self.kv.close_tiers()
 
     def reset_stats(self) -> None:
         self.metrics = self._new_metrics()
@@ -515,6 +537,8 @@ class LLMEngine:
             self.cache.sparse_read.reset_stats()
         if self.speculator:
             self.speculator.reset_stats()
+        if self.kv.places is not None:
+            self.kv.places.stats = TierStats()
 
 
 def own_rows(queries: dict[int, list[torch.Tensor]], rows: list[int]) -> dict[int, list[torch.Tensor]]:

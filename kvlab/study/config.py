@@ -203,6 +203,16 @@ def check_engine(config: dict) -> None:
     engine["prefix_eviction_args"] = check_plugin_args(
         "prefix_eviction", engine["prefix_eviction"], engine["prefix_eviction_args"],
         "engine.prefix_eviction", "engine.prefix_eviction_args")
+    if "offload_placement" in engine:
+        engine["offload_placement_args"] = check_plugin_args(
+            "offload_placement", engine["offload_placement"], engine.get("offload_placement_args") or {},
+            "engine.offload_placement", "engine.offload_placement_args")
+    from kvlab.cache.tiers.offload import offload_problem
+
+    problem = offload_problem(engine.get("offload"), engine.get("offload_args") or {})
+    if problem:
+        raise ConfigError(f"engine.offload_args: {problem}" if engine.get("offload") in (None, "host", "disk", "host_disk")
+                          else f"engine.offload: {problem}")
 
 
 def check_plugin(kind: str, node: dict) -> dict:

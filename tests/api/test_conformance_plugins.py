@@ -1,11 +1,13 @@
-"""The draft and allocator conformance suites (kvlab.testing) on the built-in plugins, and each suite
+"""The draft, allocator and placement conformance suites (kvlab.testing) on the built-in plugins, and each suite
 catching a plugin that breaks its contract."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvlab.testing import check_allocator, check_draft
+from kvlab.registry import PLACEMENTS
+from kvlab.testing import check_allocator, check_draft, check_placement
+from kvlab.testing.placements import check_bookkeeping
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "random:llama-tiny"
@@ -81,3 +83,50 @@ def test_an_allocator_that_loses_pages_fails_the_suite():
             check_allocator("test-losing", model=MODEL)
     finally:
         ALLOCATORS._classes.pop("test-losing", None)
+
+
+@pytest.mark.parametrize("name", PLACEMENTS.names())  # every registered placement, built-in or plugin
+def test_builtin_placements_conform(name):
+    check_placement(name)
+
+
+def test_every_builtin_placement_is_covered():
+    assert {"lru", "arc", "cost_aware"} <= set(PLACEMENTS.names())
+
+
+def test_a_placement_that_names_pages_it_no_longer_holds_fails_the_suite():
+    from kvlab.cache.tiers.placement.lru import LRUPlacement
+
+    @PLACEMENTS.register("test-forgetful")
+    class Forgetful(LRUPlacement):
+        def removed(self, key):  # forgets nothing: a restored page stays its tier's victim
+            pass
+
+    try:
+        with pytest.raises(ValueError, match="which that tier does not hold"):
+            check_bookkeeping("test-forgetful")
+    finally:
+        PLACEMENTS._classes.pop("test-forgetful", None)
+
+
+def test_a_placement_that_never_demotes_fails_the_suite_rather_than_passing_vacuously():
+    from kvlab.cache.tiers.placement.lru import LRUPlacement
+
+    @PLACEMENTS.register("test-nowhere")
+    class Nowhere(LRUPlacement):
+        def where(self, key):
+            return None
+
+    try:
+        with pytest.raises(AssertionError, match="no page went down a tier"):
+            check_placement("test-nowhere")
+    finally:
+        PLACEMENTS._classes.pop("test-nowhere", None)
+
+
+def test_places_that_lose_a_tier_copy_fail_the_suite(monkeypatch):
+    from kvlab.testing.placements import FakeMover
+
+    monkeypatch.setattr(FakeMover, "discard", lambda self, key, tier: None)  # a dropped page's copy stays behind
+    with pytest.raises(AssertionError, match="stores .* pages, records say"):
+        check_bookkeeping("lru")

@@ -17,6 +17,7 @@ MISSING = "does-not-exist"  # a model that cannot load: an error about the combi
 SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
+    "offloading without prefix caching": (dict(offload="host"), dict(offload="host", enable_prefix_caching=True)),
     "a compressing policy with an allocator that cannot compact": (
         dict(policy="snapkv", policy_args={"compression_ratio": 0.5}, allocator="test-cannot-compact"),
         dict(policy="full", allocator="test-cannot-compact")),

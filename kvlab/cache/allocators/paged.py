@@ -108,6 +108,15 @@ class PagedAllocator(Allocator):
             raise ValueError(f"{num_tokens} cached tokens do not end in the last of {len(pages)} pages")
         self.lengths[seq_id] = num_tokens
 
+    def take_into(self, seq_id: int, index: int) -> int:
+        """A fresh page into entry `index` of `seq_id`'s table (NULL there: a prefix hit's block that was in a
+        tier below the pool, restored into it); the page."""
+        table = self.tables[seq_id]
+        if table[index] != NULL_BLOCK:
+            raise ValueError(f"entry {index} of table {seq_id} holds page {table[index]} already")
+        table[index] = self._take()
+        return table[index]
+
     def privatize(self, seq_id: int) -> int:
         """Give `seq_id` its own copy of every page it shares with another table or the prefix cache (copies
         in pending_copies, applied before the next forward; the originals stay with their other owners, or

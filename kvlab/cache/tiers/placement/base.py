@@ -1,0 +1,68 @@
+"""Placement: which tier a page leaving the pool goes to, and which page a full tier lets go. Torch-free.
+
+A page evicted from the prefix cache (kvlab.cache.prefix_cache) is not dropped when tiers sit below the
+pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are numbered fastest first
+(`host` before `disk`). A placement is a small dataclass registered in `PLACEMENTS` that sees:
+
+    setup(kinds, capacities, page_bytes, block_size)   the tiers below the pool (kinds: "host", "disk")
+    where(key) -> tier | None      a page leaves the pool: the tier it goes to (None: dropped, recomputed)
+    inserted(key, tier)            it is now held in `tier`
+    victim(tier) -> key | None     `tier` is full: which of its pages leaves it (None: keep them all, the
+                                   incoming page is dropped instead)
+    spill(key, tier) -> tier | None  the victim's next place: a slower tier, or None (dropped)
+    removed(key)                   it left its tier (restored or dropped): no longer a victim
+    hit(key)                       a request took it back into the pool (frequency policies count these)
+
+Keys are stable per (prefix-cache node, layer group): a block that goes down, comes back and goes down
+again keeps its key, so a policy can learn how often it returns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from kvlab.registry import PLACEMENTS
+
+Key = Hashable
+
+
+@dataclass
+class Placement(ABC):
+    """Base class of placements; subclasses are dataclasses of their parameters."""
+
+    kinds: list = field(default_factory=list, init=False, repr=False)  # tier kinds, fastest first
+    capacities: list = field(default_factory=list, init=False, repr=False)  # pages each tier holds at most
+    page_bytes: int = field(default=0, init=False, repr=False)
+    block_size: int = field(default=0, init=False, repr=False)
+
+    def setup(self, kinds: list[str], capacities: list[int], page_bytes: int, block_size: int) -> None:
+        self.kinds, self.capacities = list(kinds), list(capacities)
+        self.page_bytes, self.block_size = page_bytes, block_size
+
+    def where(self, key: Key) -> int | None:
+        """The tier a page leaving the pool goes to: the fastest."""
+        return 0 if self.kinds else None
+
+    @abstractmethod
+    def inserted(self, key: Key, tier: int) -> None:
+        """`key` is now held in `tier`."""
+
+    @abstractmethod
+    def victim(self, tier: int) -> Key | None:
+        """Which page of full `tier` leaves it (it stays tracked until `removed`); None: none may."""
+
+    @abstractmethod
+    def removed(self, key: Key) -> None:
+        """`key` left its tier (restored into the pool, moved down or dropped)."""
+
+    def spill(self, key: Key, tier: int) -> int | None:
+        """Where a victim of `tier` goes: the next slower tier, or None (dropped) below the last."""
+        return tier + 1 if tier + 1 < len(self.kinds) else None
+
+    def hit(self, key: Key) -> None:
+        """A request took `key` back into the pool."""
+
+
+PLACEMENTS.base = Placement

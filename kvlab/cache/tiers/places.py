@@ -1,0 +1,164 @@
+"""Where each page that left the pool lives: which tier holds it, and the moves between tiers. Torch-free.
+
+`Places` keeps one record per offloaded page (its key, a prefix-cache node's block in one layer group ->
+its tier) and asks the placement (kvlab.cache.tiers.placement) every decision: which tier a page leaving
+the pool goes to, which page a full tier lets go, and where that one goes (a slower tier, or nowhere).
+Every data move it decides is made at once by its `mover`, the one door for KV moves
+(kvlab.cache.paged_kv.PagedKV: `demote`, `restore`, `spill`, `discard`, `readable`), so no page is ever in
+two places, or in none while it is recorded somewhere. A page that is dropped from the last tier is
+reported to `on_drop` (the prefix cache forgets that block's entry: it will be recomputed).
+
+Invariants (`check`): each key is in exactly one tier; no tier holds more pages than its capacity; the
+tiers' own counts equal the records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Protocol
+
+from kvlab.cache.tiers.placement.base import Placement
+
+
+class Mover(Protocol):
+    def movable(self, page: int) -> bool: ...
+    def demote(self, page: int, tier: int, key: Hashable) -> None: ...
+    def restore(self, key: Hashable, tier: int, page: int) -> None: ...
+    def spill(self, key: Hashable, src: int, dst: int) -> None: ...
+    def discard(self, key: Hashable, tier: int) -> None: ...
+    def readable(self, key: Hashable, tier: int) -> bool: ...
+    def tier_len(self, tier: int) -> int: ...
+
+
+@dataclass
+class TierStats:
+    demoted: int = 0  # pages copied from the pool into a tier
+    restored: int = 0  # pages copied back into the pool on a prefix hit
+    spilled: int = 0  # pages moved to a slower tier to make room
+    dropped: int = 0  # pages dropped from the tiers (recomputed if needed again)
+    refused: int = 0  # pages leaving the pool that the placement sent nowhere
+    failed_reads: int = 0  # pages a tier could not give back (recomputed instead)
+    bytes_moved: int = 0  # bytes copied between the pool and the tiers, and between tiers
+    move_seconds: float = 0.0  # time spent copying them
+    hits: dict = field(default_factory=dict)  # tier kind -> pages restored from it
+
+
+class Places:
+    """The records of offloaded pages, the placement's decisions and the moves they make."""
+
+    def __init__(self, kinds: list[str], capacities: list[int], placement: Placement, page_bytes: int,
+                 block_size: int, mover: Mover | None = None):
+        self.kinds, self.capacities = list(kinds), list(capacities)
+        self.placement = placement
+        placement.setup(self.kinds, self.capacities, page_bytes, block_size)
+        self.page_bytes = page_bytes
+        self.mover = mover
+        self.tier_of: dict[Hashable, int] = {}
+        self.held = [0] * len(kinds)
+        self.claimed: set[Hashable] = set()  # about to be restored: no longer a victim
+        self.on_drop: Callable[[Hashable], None] | None = None
+        self.stats = TierStats()
+
+    def __len__(self) -> int:
+        return len(self.tier_of)
+
+    def demote(self, key: Hashable, page: int) -> bool:
+        """Pool page `page` (block `key`) leaves the pool: copied to the tier the placement picks, room made
+        there first. False when it goes nowhere (the caller drops it)."""
+        tier = self.placement.where(key) if self.mover.movable(page) else None
+        if tier is None or not self._make_room(tier):
+            self.stats.refused += 1
+            return False
+        self.mover.demote(page, tier, key)
+        self._add(key, tier)
+        self.stats.demoted += 1
+        return True
+
+    def claim(self, keys: list[Hashable]) -> None:
+        """`keys` are about to be restored (a request was admitted on them): no placement may pick them."""
+        for key in keys:
+            self.placement.removed(key)
+            self.claimed.add(key)
+
+    def restore(self, key: Hashable, page: int) -> None:
+        """Block `key` comes back into pool page `page` (fresh, held by the table that hit it)."""
+        tier = self.tier_of.pop(key)
+        self.held[tier] -= 1
+        self.claimed.discard(key)
+        self.placement.removed(key)
+        self.mover.restore(key, tier, page)
+        self.placement.hit(key)
+        self.stats.restored += 1
+        self.stats.hits[self.kinds[tier]] = self.stats.hits.get(self.kinds[tier], 0) + 1
+
+    def readable(self, key: Hashable) -> bool:
+        """Can `key` be restored? An unreadable page is forgotten here (its tier copy dropped, counted)."""
+        if self.mover.readable(key, self.tier_of[key]):
+            return True
+        self.stats.failed_reads += 1
+        self.discard(key)
+        return False
+
+    def discard(self, key: Hashable) -> None:
+        """Forget `key` and drop its tier copy (the pool holds the block again, or it is lost)."""
+        tier = self.tier_of.pop(key)
+        self.held[tier] -= 1
+        self.claimed.discard(key)
+        self.placement.removed(key)
+        self.mover.discard(key, tier)
+
+    def drain(self) -> list[Hashable]:
+        """Drop every page from every tier (the engine closes); the keys dropped."""
+        keys = list(self.tier_of)
+        for key in keys:
+            self.discard(key)
+        return keys
+
+    def _add(self, key: Hashable, tier: int) -> None:
+        self.tier_of[key] = tier
+        self.held[tier] += 1
+        self.placement.inserted(key, tier)
+
+    def _make_room(self, tier: int) -> bool:
+        """Victims leave full `tier` (spilled down or dropped) until it has room; False if none may."""
+        while self.held[tier] >= self.capacities[tier]:
+            victim = self.placement.victim(tier)
+            if victim is None:
+                return False
+            if victim in self.claimed or self.tier_of.get(victim) != tier:
+                raise ValueError(f"placement {type(self.placement).__name__} named {victim!r} as tier {self.kinds[tier]}'s "
+                                 f"victim, which that tier does not hold (or a request claimed it): a placement must "
+                                 f"forget a page on removed()")
+            self._evict(victim, tier)
+        return True
+
+    def _evict(self, key: Hashable, tier: int) -> None:
+        dst = self.placement.spill(key, tier)
+        self.placement.removed(key)
+        if dst is not None and dst > tier and self._make_room(dst):
+            self.tier_of[key] = dst
+            self.held[tier] -= 1
+            self.held[dst] += 1
+            self.mover.spill(key, tier, dst)
+            self.placement.inserted(key, dst)
+            self.stats.spilled += 1
+            return
+        self.tier_of.pop(key)
+        self.held[tier] -= 1
+        self.mover.discard(key, tier)
+        self.stats.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(key)
+
+    def check(self) -> None:
+        """Every key in one tier, no tier over its capacity, the tiers' counts equal to the records."""
+        counts = [0] * len(self.kinds)
+        for tier in self.tier_of.values():
+            counts[tier] += 1
+        if counts != self.held:
+            raise AssertionError(f"tier records {counts} differ from the held counts {self.held}")
+        for t, (n, cap) in enumerate(zip(counts, self.capacities)):
+            if n > cap:
+                raise AssertionError(f"tier {self.kinds[t]} holds {n} pages, over its capacity {cap}")
+            if self.mover is not None and self.mover.tier_len(t) != n:
+                raise AssertionError(f"tier {self.kinds[t]} stores {self.mover.tier_len(t)} pages, records say {n}")
