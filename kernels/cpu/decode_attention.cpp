@@ -1,0 +1,352 @@
+// Paged decode attention on the CPU: one query per sequence, K/V read straight from the paged pool
+// through the block table, each cached byte read once, online softmax (FlashAttention, arXiv:2205.14135;
+// Flash-Decoding's split over key ranges, then a reduction of the partials).
+//
+// Work unit: (row b, KV head h, key chunk c). Chunk c covers the absolute cache indices
+// [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
+// length, never on the batch: every row reduces in the same order whatever else the step holds.
+// The G query heads of a KV head share each decoded K/V row (GQA).
+//
+// Storage read in-register (decoded a head row of D channels at a time into an L1 buffer):
+//   kind 0/1/2   fp32 / bf16 / fp16 pool tensor            [NB, bs, Hkv, D] (strided)
+//   kind 3       fp8 pool tensor, per-KV-head float scale   (256-entry LUT of the fp8 codes)
+//   kind 10      int8 codes, fp16 scale per token per head  (kvlab.cache.quant.int8)
+//   kind 11      KIVI keys: packed codes, fp16 scale/zero per channel over `group` tokens
+//   kind 12      KIVI values: packed codes, fp16 scale/zero per token over `group` channels
+//   kind 13      fp8 codes (LUT), fp16 scale per token per head (kvlab.cache.quant.fp8, scaling=token)
+// Packed kinds may keep open pages in full-precision residual rows (row_of[page] >= 0): element
+// e = (pos * Hkv + h) * D + d of row r is res[lease[r * res_k + e / res_chunk] * res_chunk + e % res_chunk]
+// (kvlab.cache.quant.page_store).
+//
+// Shapes: q [T, Hq, D] float32 (strided), out [T, Hq, D] float32 (strided), tables [B, width] int32.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" {
+
+struct Side {
+    int32_t kind;
+    int32_t bits;
+    int32_t group;
+    int32_t res_dtype;  // 0 fp32, 1 bf16, 2 fp16
+    const void* data;
+    const uint16_t* scale16;  // packed kinds: fp16 scales
+    const uint16_t* zero16;   // KIVI: fp16 zero points
+    const float* head_scale;  // kind 3: [Hkv]
+    const float* lut;         // kinds 3, 13: [256] fp8 code -> float
+    int64_t s_block, s_pos, s_head;  // pool tensor strides (elements; kinds 0-3)
+    const void* res;          // residual storage (nullptr: none)
+    const int64_t* row_of;    // [pages]
+    const int64_t* lease;     // [rows, res_k]
+    int64_t res_k;
+    int64_t res_chunk;
+};
+
+}  // extern "C"
+
+namespace {
+
+constexpr int TILE = 32;  // keys per online-softmax step
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { man <<= 1; ++e; } while (!(man & 0x400));
+            u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | man << 13;
+    } else {
+        u = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+inline void bf16_row(const uint16_t* src, float* dst, int n) {
+    for (int i = 0; i < n; ++i) {
+        uint32_t u = uint32_t(src[i]) << 16;
+        std::memcpy(dst + i, &u, 4);
+    }
+}
+
+inline void half_row(const uint16_t* src, float* dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+inline float res_at(const Side& s, int64_t off) {
+    switch (s.res_dtype) {
+        case 0: return ((const float*)s.res)[off];
+        case 1: return bf16_to_float(((const uint16_t*)s.res)[off]);
+        default: return half_to_float(((const uint16_t*)s.res)[off]);
+    }
+}
+
+// The residual row of an open page, head h at slot pos -> dst[D].
+void residual_row(const Side& s, int64_t row, int pos, int h, int Hkv, int D, float* dst) {
+    int64_t e0 = (int64_t(pos) * Hkv + h) * D;
+    const int64_t ch = s.res_chunk;
+    if (e0 / ch == (e0 + D - 1) / ch) {  // the head row lies in one chunk: contiguous
+        int64_t off = s.lease[row * s.res_k + e0 / ch] * ch + e0 % ch;
+        if (s.res_dtype == 0) std::memcpy(dst, (const float*)s.res + off, sizeof(float) * D);
+        else if (s.res_dtype == 1) bf16_row((const uint16_t*)s.res + off, dst, D);
+        else half_row((const uint16_t*)s.res + off, dst, D);
+        return;
+    }
+    for (int d = 0; d < D; ++d) {
+        int64_t e = e0 + d;
+        dst[d] = res_at(s, s.lease[row * s.res_k + e / ch] * ch + e % ch);
+    }
+}
+
+// Head row (page, pos, h) of one side, dequantised to float32. Returns a pointer to the row: into
+// the pool itself for fp32 pools, else into `buf` (D floats); `tmp` holds 2 * D floats of scratch.
+const float* load_row(const Side& s, int64_t page, int pos, int h, int page_size, int Hkv, int D,
+                      float* buf, float* tmp) {
+    if (s.kind <= 3) {
+        int64_t off = page * s.s_block + pos * s.s_pos + h * s.s_head;
+        switch (s.kind) {
+            case 0: return (const float*)s.data + off;
+            case 1: bf16_row((const uint16_t*)s.data + off, buf, D); return buf;
+            case 2: half_row((const uint16_t*)s.data + off, buf, D); return buf;
+            default: {
+                const uint8_t* c = (const uint8_t*)s.data + off;
+                float sc = s.head_scale ? s.head_scale[h] : 1.0f;
+                if (s.head_scale) for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]] * sc;
+                else for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]];
+                return buf;
+            }
+        }
+    }
+    if (s.res && s.row_of[page] >= 0) {
+        residual_row(s, s.row_of[page], pos, h, Hkv, D, buf);
+        return buf;
+    }
+    const int64_t slot = page * page_size + pos;
+    switch (s.kind) {
+        case 10: {
+            const int8_t* c = (const int8_t*)s.data + (slot * Hkv + h) * D;
+            float sc = half_to_float(s.scale16[slot * Hkv + h]);
+            for (int d = 0; d < D; ++d) buf[d] = float(c[d]) * sc;
+            return buf;
+        }
+        case 13: {
+            const uint8_t* c = (const uint8_t*)s.data + (slot * Hkv + h) * D;
+            float sc = half_to_float(s.scale16[slot * Hkv + h]);
+            for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]] * sc;
+            return buf;
+        }
+        default: break;
+    }
+    const int bits = s.bits, per = 8 / bits, mask = (1 << bits) - 1;
+    const uint8_t* c = (const uint8_t*)s.data + (slot * Hkv + h) * (D / per);
+    float* sc = tmp;
+    float* zr = tmp + D;
+    if (s.kind == 11) {  // per channel over `group` tokens: scale/zero [pages, bs / G, Hkv, D]
+        int64_t g0 = ((page * (page_size / s.group) + pos / s.group) * Hkv + h) * D;
+        half_row(s.scale16 + g0, sc, D);
+        half_row(s.zero16 + g0, zr, D);
+        for (int d = 0; d < D; ++d) {
+            int code = (c[d / per] >> ((d % per) * bits)) & mask;
+            buf[d] = float(code) * sc[d] + zr[d];
+        }
+    } else {  // kind 12: per token over `group` channels: scale/zero [slots, Hkv, D / G]
+        const int ng = D / s.group;
+        int64_t g0 = (slot * Hkv + h) * ng;
+        half_row(s.scale16 + g0, sc, ng);
+        half_row(s.zero16 + g0, zr, ng);
+        for (int d = 0; d < D; ++d) {
+            int code = (c[d / per] >> ((d % per) * bits)) & mask;
+            buf[d] = float(code) * sc[d / s.group] + zr[d / s.group];
+        }
+    }
+    return buf;
+}
+
+// Dot product in a fixed order: 16 lanes, then the lanes summed left to right.
+inline float dot(const float* a, const float* b, int D) {
+    float lane[16] = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < D; ++i, ++l) lane[l] += a[i] * b[i];
+    float s = 0.f;
+    for (int l = 0; l < 16; ++l) s += lane[l];
+    return s;
+}
+
+struct Args {
+    const float* q; int64_t q_st, q_sh;
+    const Side* k; const Side* v;
+    const int32_t* tables; int64_t table_stride;
+    const int32_t* tokens; const int32_t* seq_lens; const int32_t* first_key;
+    int Hkv, G, D, page;
+    float scale, softcap;
+};
+
+// One unit: keys [lo, hi) of row b, KV head h -> m [G], l [G], acc [G, D] (unnormalised).
+void attend_unit(const Args& a, int b, int h, int lo, int hi, float* m, float* l, float* acc) {
+    const int G = a.G, D = a.D;
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(G) * D + size_t(2) * D + size_t(TILE) * D + D + size_t(G) * TILE);
+    float* qg = scratch.data();           // [G, D]
+    float* tmp = qg + size_t(G) * D;      // [2 * D]
+    float* kbuf = tmp + 2 * D;            // [TILE, D]
+    float* vbuf = kbuf + size_t(TILE) * D;  // [D]
+    float* s = vbuf + D;                  // [G, TILE]
+    const float* krow[TILE];
+    int64_t pages[TILE];
+    const int t = a.tokens[b];
+    for (int g = 0; g < G; ++g) {
+        const float* src = a.q + t * a.q_st + int64_t(h * G + g) * a.q_sh;
+        std::memcpy(qg + size_t(g) * D, src, sizeof(float) * D);
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * G * D);
+    const int32_t* table = a.tables + b * a.table_stride;
+    for (int j0 = lo; j0 < hi; j0 += TILE) {
+        const int n = std::min(TILE, hi - j0);
+        for (int i = 0; i < n; ++i) {  // scores of the tile's keys for the G heads
+            const int j = j0 + i;
+            pages[i] = table[j / a.page];
+            if (pages[i] < 0) {  // released page: never attended to
+                for (int g = 0; g < G; ++g) s[g * TILE + i] = NEG_INF;
+                continue;
+            }
+            krow[i] = load_row(*a.k, pages[i], j % a.page, h, a.page, a.Hkv, D, kbuf + size_t(i) * D, tmp);
+            for (int g = 0; g < G; ++g) {
+                float x = dot(qg + size_t(g) * D, krow[i], D) * a.scale;
+                if (a.softcap > 0.f) x = a.softcap * std::tanh(x / a.softcap);
+                s[g * TILE + i] = x;
+            }
+        }
+        for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
+            float* sg = s + g * TILE;
+            float mt = m[g];
+            for (int i = 0; i < n; ++i) mt = std::max(mt, sg[i]);
+            if (mt == NEG_INF) continue;
+            const float alpha = std::exp(m[g] - mt);
+            float* ag = acc + size_t(g) * D;
+            if (alpha != 1.f) {
+                for (int d = 0; d < D; ++d) ag[d] *= alpha;
+                l[g] *= alpha;
+            }
+            for (int i = 0; i < n; ++i) {
+                sg[i] = std::exp(sg[i] - mt);  // exp(-inf) = 0 for released keys
+                l[g] += sg[i];
+            }
+            m[g] = mt;
+        }
+        for (int i = 0; i < n; ++i) {  // each V row read once for the G heads
+            if (pages[i] < 0) continue;
+            const int j = j0 + i;
+            const float* vr = load_row(*a.v, pages[i], j % a.page, h, a.page, a.Hkv, D, vbuf, tmp);
+            for (int g = 0; g < G; ++g) {
+                const float p = s[g * TILE + i];
+                if (p == 0.f) continue;
+                float* ag = acc + size_t(g) * D;
+                for (int d = 0; d < D; ++d) ag[d] += p * vr[d];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success.
+int kvlab_decode_attention(
+    const float* q, int64_t q_st, int64_t q_sh,
+    float* out, int64_t o_st, int64_t o_sh,
+    const Side* k, const Side* v,
+    const int32_t* tables, int64_t table_stride,
+    const int32_t* tokens, const int32_t* seq_lens, const int32_t* first_key,
+    int B, int Hkv, int G, int D, int page, float scale, float softcap, int chunk_keys, int num_threads) {
+    if (chunk_keys < 1 || D < 1 || G < 1) return 1;
+    Args a{q, q_st, q_sh, k, v, tables, table_stride, tokens, seq_lens, first_key, Hkv, G, D, page, scale, softcap};
+    // units: (b, chunk) pairs in row order, each for every KV head
+    std::vector<int> unit_row, unit_chunk, row_first(B + 1, 0);
+    for (int b = 0; b < B; ++b) {
+        const int lo = first_key[b], hi = seq_lens[b];
+        const int c0 = lo / chunk_keys, c1 = hi > lo ? (hi - 1) / chunk_keys + 1 : c0 + 1;
+        for (int c = c0; c < c1; ++c) { unit_row.push_back(b); unit_chunk.push_back(c); }
+        row_first[b + 1] = int(unit_row.size());
+    }
+    const int U = int(unit_row.size());
+    std::vector<float> m(size_t(U) * Hkv * G), l(m.size()), acc(m.size() * D);
+    const int64_t work = int64_t(U) * Hkv;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t w = 0; w < work; ++w) {
+        const int u = int(w / Hkv), h = int(w % Hkv), b = unit_row[u];
+        const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
+        const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
+        const size_t at = size_t(w) * G;
+        attend_unit(a, b, h, lo, hi, &m[at], &l[at], &acc[at * D]);
+    }
+    // reduce the partials of each (row, head) in chunk order
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t bh = 0; bh < int64_t(B) * Hkv * G; ++bh) {
+        const int b = int(bh / (int64_t(Hkv) * G)), hg = int(bh % (int64_t(Hkv) * G));
+        const int h = hg / G, g = hg % G;
+        float mx = NEG_INF;
+        for (int u = row_first[b]; u < row_first[b + 1]; ++u) mx = std::max(mx, m[(size_t(u) * Hkv + h) * G + g]);
+        float* o = out + int64_t(tokens[b]) * o_st + int64_t(hg) * o_sh;
+        if (mx == NEG_INF) {  // no visible key
+            for (int d = 0; d < D; ++d) o[d] = 0.f;
+            continue;
+        }
+        float lsum = 0.f;
+        std::vector<float> sum(D, 0.f);
+        for (int u = row_first[b]; u < row_first[b + 1]; ++u) {
+            const size_t at = (size_t(u) * Hkv + h) * G + g;
+            if (m[at] == NEG_INF) continue;
+            const float w = std::exp(m[at] - mx);
+            lsum += l[at] * w;
+            const float* ac = &acc[at * D];
+            for (int d = 0; d < D; ++d) sum[d] += ac[d] * w;
+        }
+        const float inv = 1.f / lsum;
+        for (int d = 0; d < D; ++d) o[d] = sum[d] * inv;
+    }
+    return 0;
+}
+
+int kvlab_abi_version() { return 1; }
+
+}  // extern "C"
