@@ -2,7 +2,7 @@
 // through the block table, each cached byte read once, online softmax (FlashAttention, arXiv:2205.14135;
 // Flash-Decoding's split over key ranges, then a reduction of the partials).
 //
-// Work unit: (row b, KV head h, key chunk c). Chunk c covers the absolute cache indices
+// Work unit: (row b, key chunk c), every KV head. Chunk c covers the absolute cache indices
 // [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
 // length, never on the batch: every row reduces in the same order whatever else the step holds.
 // The G query heads of a KV head share each decoded K/V row (GQA).
@@ -90,7 +90,14 @@ inline float half_to_float(uint16_t h) {
 }
 
 inline void bf16_row(const uint16_t* src, float* dst, int n) {
-    for (int i = 0; i < n; ++i) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; ++i) {
         uint32_t u = uint32_t(src[i]) << 16;
         std::memcpy(dst + i, &u, 4);
     }
@@ -135,8 +142,8 @@ void residual_row(const Side& s, int64_t row, int pos, int h, int Hkv, int D, fl
 
 // Head row (page, pos, h) of one side, dequantised to float32. Returns a pointer to the row: into
 // the pool itself for fp32 pools, else into `buf` (D floats); `tmp` holds 2 * D floats of scratch.
-const float* load_row(const Side& s, int64_t page, int pos, int h, int page_size, int Hkv, int D,
-                      float* buf, float* tmp) {
+inline __attribute__((always_inline)) const float* load_row(const Side& s, int64_t page, int pos, int h,
+                                                           int page_size, int Hkv, int D, float* buf, float* tmp) {
     if (s.kind <= 3) {
         int64_t off = page * s.s_block + pos * s.s_pos + h * s.s_head;
         switch (s.kind) {
@@ -197,16 +204,167 @@ const float* load_row(const Side& s, int64_t page, int pos, int h, int page_size
     return buf;
 }
 
-// Dot product in a fixed order: 16 lanes, then the lanes summed left to right.
+// Dot product in a fixed order: 16 lanes (two AVX-512 accumulators when D is a multiple of 16), then a fixed tree.
 inline float dot(const float* a, const float* b, int D) {
+#if defined(__AVX512F__)
+    if ((D & 15) == 0) {
+        __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 32 <= D; i += 32) {
+            x0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), x0);
+            x1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), x1);
+        }
+        if (i < D) x0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), x0);
+        return _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+#endif
     float lane[16] = {0};
     int i = 0;
     for (; i + 16 <= D; i += 16)
         for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
     for (int l = 0; i < D; ++i, ++l) lane[l] += a[i] * b[i];
-    float s = 0.f;
-    for (int l = 0; l < 16; ++l) s += lane[l];
-    return s;
+    for (int w = 8; w; w >>= 1)
+        for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+// x[i] <- exp(x[i] - m) for x[i] <= m (0 where x[i] - m < -87, -inf included): 2^k * p(r), r = t - k ln 2,
+// |r| <= ln 2 / 2, a degree-6 polynomial (relative error ~2e-7); returns the sum of the new x[i], in a fixed order.
+#if defined(__AVX512F__)
+inline __m512 exp_neg(__m512 t) {
+    const __m512 c = _mm512_max_ps(t, _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), c);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+inline float exp_sub(float* x, int n, float m) {
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __m512 y = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + i), mv));
+        _mm512_mask_storeu_ps(x + i, in, y);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(in, y));
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float sum = 0.f;
+    for (int i = 0; i < n; ++i) {
+        const float t = std::max(x[i] - m, -87.f);
+        const float k = std::nearbyint(t * 1.44269504088896341f);
+        const float r = (t - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+        float p = 1.f / 720.f;
+        p = p * r + 1.f / 120.f;
+        p = p * r + 1.f / 24.f;
+        p = p * r + 1.f / 6.f;
+        p = p * r + 0.5f;
+        p = p * r + 1.f;
+        p = p * r + 1.f;
+        int32_t bits = (int32_t(k) + 127) << 23;
+        float scale;
+        std::memcpy(&scale, &bits, 4);
+        x[i] = x[i] - m < -87.f ? 0.f : p * scale;
+        sum += x[i];
+    }
+    return sum;
+#endif
+}
+
+// max(m, x[0..n)) (x scaled by `scale` in place first).
+inline float scale_max(float* x, int n, float scale, float m) {
+    for (int i = 0; i < n; ++i) x[i] *= scale;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(m);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        mx = _mm512_mask_max_ps(mx, in, mx, _mm512_maskz_loadu_ps(in, x + i));
+    }
+    return _mm512_reduce_max_ps(mx);
+#else
+    for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+#endif
+}
+
+#if defined(__AVX512F__)
+// NC = D / 16 chunks held in registers: NC independent FMA chains over the tile's keys.
+template <int NC>
+inline void accumulate_nc(float* acc, const float* p, const float* const* rows, int n) {
+    __m512 x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int i = 0; i < n; ++i) {
+        const __m512 w = _mm512_set1_ps(p[i]);
+        for (int c = 0; c < NC; ++c) x[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[i] + 16 * c), x[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, x[c]);
+}
+
+// s[g * stride] = q[g] . k for the G heads, each k chunk loaded once (G independent chains).
+template <int NC>
+inline void dots_nc(const float* q, const float* k, int G, float* s, int stride) {
+    __m512 kc[NC];
+    for (int c = 0; c < NC; ++c) kc[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int g = 0; g < G; ++g) {
+        const float* qg = q + size_t(g) * NC * 16;
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
+        __m512 x1 = NC > 1 ? _mm512_mul_ps(_mm512_loadu_ps(qg + 16), kc[1]) : _mm512_setzero_ps();
+        for (int c = 2; c + 1 < NC; c += 2) {
+            x0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], x0);
+            x1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c + 16), kc[c + 1], x1);
+        }
+        if (NC > 2 && NC % 2) x0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (NC - 1)), kc[NC - 1], x0);
+        s[g * stride] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+}
+#endif
+
+// acc [D] += sum over i < n of p[i] * rows[i] [D], keys in order.
+inline void accumulate(float* acc, const float* p, const float* const* rows, int n, int D) {
+#if defined(__AVX512F__)
+    switch (D) {
+        case 64: return accumulate_nc<4>(acc, p, rows, n);
+        case 128: return accumulate_nc<8>(acc, p, rows, n);
+        case 256: return accumulate_nc<16>(acc, p, rows, n);
+        default: break;
+    }
+    if ((D & 15) == 0) {
+        for (int c = 0; c < D; c += 16) {
+            __m512 x = _mm512_loadu_ps(acc + c);
+            for (int i = 0; i < n; ++i) x = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(rows[i] + c), x);
+            _mm512_storeu_ps(acc + c, x);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i)
+        for (int d = 0; d < D; ++d) acc[d] += p[i] * rows[i][d];
+}
+
+// s[g * stride] = q[g] [D] . k [D] for g < G.
+inline void dots(const float* q, const float* k, int G, int D, float* s, int stride) {
+#if defined(__AVX512F__)
+    switch (D) {
+        case 64: return dots_nc<4>(q, k, G, s, stride);
+        case 128: return dots_nc<8>(q, k, G, s, stride);
+        case 256: return dots_nc<16>(q, k, G, s, stride);
+        default: break;
+    }
+#endif
+    for (int g = 0; g < G; ++g) s[g * stride] = dot(q + size_t(g) * D, k, D);
 }
 
 struct Args {
@@ -218,69 +376,99 @@ struct Args {
     float scale, softcap;
 };
 
-// One unit: keys [lo, hi) of row b, KV head h -> m [G], l [G], acc [G, D] (unnormalised).
-void attend_unit(const Args& a, int b, int h, int lo, int hi, float* m, float* l, float* acc) {
-    const int G = a.G, D = a.D;
-    thread_local std::vector<float> scratch;
-    scratch.resize(size_t(G) * D + size_t(2) * D + size_t(TILE) * D + D + size_t(G) * TILE);
-    float* qg = scratch.data();           // [G, D]
-    float* tmp = qg + size_t(G) * D;      // [2 * D]
-    float* kbuf = tmp + 2 * D;            // [TILE, D]
-    float* vbuf = kbuf + size_t(TILE) * D;  // [D]
-    float* s = vbuf + D;                  // [G, TILE]
-    const float* krow[TILE];
-    int64_t pages[TILE];
-    const int t = a.tokens[b];
-    for (int g = 0; g < G; ++g) {
-        const float* src = a.q + t * a.q_st + int64_t(h * G + g) * a.q_sh;
-        std::memcpy(qg + size_t(g) * D, src, sizeof(float) * D);
-        m[g] = NEG_INF;
-        l[g] = 0.f;
+// Bytes of one key's slot (every KV head) in a side's main storage, and where it starts.
+inline const char* slot_bytes(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D, int64_t* n) {
+    static const int esize[4] = {4, 2, 2, 1};
+    if (s.kind <= 3) {
+        *n = int64_t(Hkv) * s.s_head * esize[s.kind];
+        return (const char*)s.data + (page * s.s_block + pos * s.s_pos) * esize[s.kind];
     }
-    std::memset(acc, 0, sizeof(float) * G * D);
+    const int64_t per_slot = s.kind == 10 || s.kind == 13 ? int64_t(Hkv) * D : int64_t(Hkv) * D * s.bits / 8;
+    *n = per_slot;
+    return (const char*)s.data + (page * page_size + pos) * per_slot;
+}
+
+inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
+    int64_t n;
+    const char* p = slot_bytes(s, page, pos, page_size, Hkv, D, &n);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+// One unit: keys [lo, hi) of row b, every KV head -> m [Hkv, G], l [Hkv, G], acc [Hkv, G, D] (unnormalised).
+// Keys are walked in order, a tile at a time, reading each key's slot (all its heads) while the next
+// tile's slots are prefetched.
+void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
+    const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(HG) * D + size_t(2) * D + size_t(2 * TILE) * D + D + size_t(G) * TILE);
+    float* qg = scratch.data();               // [Hkv * G, D]
+    float* tmp = qg + size_t(HG) * D;         // [2 * D]
+    float* kbuf = tmp + 2 * D;                // [TILE, D]
+    float* vbuf = kbuf + size_t(TILE) * D;    // [TILE, D]
+    float* zeros = vbuf + size_t(TILE) * D;   // [D] the row a released key points at (its weight is 0)
+    float* s = zeros + D;                     // [G, TILE]
+    std::memset(zeros, 0, sizeof(float) * D);
+    const float* krow[TILE];
+    const float* vrow[TILE];
+    int64_t pages[TILE];
+    int pos_of[TILE];
+    const int t = a.tokens[b];
+    for (int hg = 0; hg < HG; ++hg) {
+        std::memcpy(qg + size_t(hg) * D, a.q + t * a.q_st + int64_t(hg) * a.q_sh, sizeof(float) * D);
+        m[hg] = NEG_INF;
+        l[hg] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * HG * D);
     const int32_t* table = a.tables + b * a.table_stride;
+    int col = lo / a.page, pos = lo % a.page;  // table column and slot of the next key (counted: no division)
     for (int j0 = lo; j0 < hi; j0 += TILE) {
         const int n = std::min(TILE, hi - j0);
-        for (int i = 0; i < n; ++i) {  // scores of the tile's keys for the G heads
-            const int j = j0 + i;
-            pages[i] = table[j / a.page];
-            if (pages[i] < 0) {  // released page: never attended to
-                for (int g = 0; g < G; ++g) s[g * TILE + i] = NEG_INF;
-                continue;
-            }
-            krow[i] = load_row(*a.k, pages[i], j % a.page, h, a.page, a.Hkv, D, kbuf + size_t(i) * D, tmp);
-            for (int g = 0; g < G; ++g) {
-                float x = dot(qg + size_t(g) * D, krow[i], D) * a.scale;
-                if (a.softcap > 0.f) x = a.softcap * std::tanh(x / a.softcap);
-                s[g * TILE + i] = x;
+        for (int i = 0; i < n; ++i) {
+            pos_of[i] = pos;
+            pages[i] = table[col];
+            if (++pos == a.page) { pos = 0; ++col; }
+        }
+        {  // prefetch the next tile's slots
+            int c = col, p = pos;
+            for (int i = 0, m2 = std::min(TILE, hi - j0 - n); i < m2; ++i) {
+                const int64_t pg = table[c];
+                if (pg >= 0) {
+                    prefetch_slot(*a.k, pg, p, a.page, Hkv, D);
+                    prefetch_slot(*a.v, pg, p, a.page, Hkv, D);
+                }
+                if (++p == a.page) { p = 0; ++c; }
             }
         }
-        for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
-            float* sg = s + g * TILE;
-            float mt = m[g];
-            for (int i = 0; i < n; ++i) mt = std::max(mt, sg[i]);
-            if (mt == NEG_INF) continue;
-            const float alpha = std::exp(m[g] - mt);
-            float* ag = acc + size_t(g) * D;
-            if (alpha != 1.f) {
-                for (int d = 0; d < D; ++d) ag[d] *= alpha;
-                l[g] *= alpha;
+        for (int h = 0; h < Hkv; ++h) {
+            for (int i = 0; i < n; ++i) {  // scores of the tile's keys for the G heads of KV head h
+                if (pages[i] < 0) {  // released page: never attended to
+                    for (int g = 0; g < G; ++g) s[g * TILE + i] = NEG_INF;
+                    vrow[i] = zeros;
+                    continue;
+                }
+                krow[i] = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D, kbuf + size_t(i) * D, tmp);
+                dots(qg + size_t(h * G) * D, krow[i], G, D, s + i, TILE);
             }
-            for (int i = 0; i < n; ++i) {
-                sg[i] = std::exp(sg[i] - mt);  // exp(-inf) = 0 for released keys
-                l[g] += sg[i];
-            }
-            m[g] = mt;
-        }
-        for (int i = 0; i < n; ++i) {  // each V row read once for the G heads
-            if (pages[i] < 0) continue;
-            const int j = j0 + i;
-            const float* vr = load_row(*a.v, pages[i], j % a.page, h, a.page, a.Hkv, D, vbuf, tmp);
-            for (int g = 0; g < G; ++g) {
-                const float p = s[g * TILE + i];
-                if (p == 0.f) continue;
-                float* ag = acc + size_t(g) * D;
-                for (int d = 0; d < D; ++d) ag[d] += p * vr[d];
+            for (int i = 0; i < n; ++i)  // each V row decoded once for the G heads
+                if (pages[i] >= 0)
+                    vrow[i] = load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D, vbuf + size_t(i) * D, tmp);
+            for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
+                const int hg = h * G + g;
+                float* sg = s + g * TILE;
+                if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
+                    for (int i = 0; i < n; ++i)
+                        sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
+                const float mt = scale_max(sg, n, a.softcap > 0.f ? 1.f : a.scale, m[hg]);
+                if (mt == NEG_INF) continue;
+                const float alpha = std::exp(m[hg] - mt);
+                float* ag = acc + size_t(hg) * D;
+                if (alpha != 1.f) {
+                    for (int d = 0; d < D; ++d) ag[d] *= alpha;
+                    l[hg] *= alpha;
+                }
+                l[hg] += exp_sub(sg, n, mt);
+                m[hg] = mt;
+                accumulate(ag, sg, vrow, n, D);
             }
         }
     }
@@ -310,14 +498,13 @@ int kvlab_decode_attention(
     }
     const int U = int(unit_row.size());
     std::vector<float> m(size_t(U) * Hkv * G), l(m.size()), acc(m.size() * D);
-    const int64_t work = int64_t(U) * Hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t w = 0; w < work; ++w) {
-        const int u = int(w / Hkv), h = int(w % Hkv), b = unit_row[u];
+    for (int u = 0; u < U; ++u) {
+        const int b = unit_row[u];
         const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
         const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
-        const size_t at = size_t(w) * G;
-        attend_unit(a, b, h, lo, hi, &m[at], &l[at], &acc[at * D]);
+        const size_t at = size_t(u) * Hkv * G;
+        attend_unit(a, b, lo, hi, &m[at], &l[at], &acc[at * D]);
     }
     // reduce the partials of each (row, head) in chunk order
 #pragma omp parallel for schedule(static) num_threads(num_threads)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -138,7 +139,8 @@ def _pool_side(cache: torch.Tensor, scale: torch.Tensor | None) -> tuple[_Side, 
         side.kind, side.lut = 3, lut.data_ptr()
         keep.append(lut)
         if scale is not None:
-            scale = scale.float().contiguous()
+            if scale.dtype != torch.float32 or not scale.is_contiguous():
+                return None
             side.head_scale = scale.data_ptr()
             keep.append(scale)
     else:
@@ -175,10 +177,24 @@ def _packed_side(store) -> tuple[_Side, list] | None:
     return side, keep
 
 
+_sides: dict[int, tuple[weakref.ref, dict]] = {}  # id(pool tensor or PageStore) -> (its weakref, {scale key: side})
+
+
 def _side(cache, scale):
-    if isinstance(cache, torch.Tensor):
-        return _pool_side(cache, scale)
-    return None if scale is not None else _packed_side(cache)
+    """How the kernel reads `cache` (None: it cannot), built once per pool and scale: the engine's pools are
+    long-lived objects, and their parts, residual storage, row_of and lease tensors change only in place."""
+    entry = _sides.get(id(cache))
+    if entry is None or entry[0]() is not cache:
+        entry = _sides[id(cache)] = (weakref.ref(cache, lambda _, i=id(cache), d=_sides: d.pop(i, None)), {})
+    per_cache = entry[1]
+    key = (None if scale is None else (scale.data_ptr(), scale.dtype),
+           cache.data_ptr() if isinstance(cache, torch.Tensor) else None)
+    if key not in per_cache:
+        if isinstance(cache, torch.Tensor):
+            per_cache[key] = _pool_side(cache, scale)
+        else:
+            per_cache[key] = None if scale is not None else _packed_side(cache)
+    return per_cache[key]
 
 
 def _check_inputs(q, k_cache, plan, out) -> None:
@@ -228,7 +244,7 @@ def run_paged_attention(
     _, bs, hkv, d = k_cache.shape
     status = kernel(
         q32.data_ptr(), q32.stride(0), q32.stride(1), target.data_ptr(), target.stride(0), target.stride(1),
-        ctypes.byref(k_side[0]), ctypes.byref(v_side[0]), rows.tables.data_ptr(), rows.tables.stride(0),
+        k_side[0], v_side[0], rows.tables.data_ptr(), rows.tables.stride(0),
         rows.tokens.data_ptr(), rows.seq_lens.data_ptr(), rows.first_key.data_ptr(),
         rows.tokens.shape[0], hkv, q.shape[1] // hkv, d, bs, float(scale), float(softcap or 0.0), CHUNK_KEYS,
         torch.get_num_threads())

@@ -76,15 +76,16 @@ def test_mixed_step_runs_decode_rows_in_the_kernel_and_extend_rows_on_the_refere
         torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("cache", ["fp32", "bf16"])
-def test_released_pages_are_never_read(cache):
+@pytest.mark.parametrize("cache,softcap", [("fp32", None), ("bf16", None), ("fp32", 10.0)])
+def test_released_pages_are_never_read(cache, softcap):
     """Pages an eviction policy released (-1 inside the table, not only before a window) are skipped."""
     bs, lens = 4, [30, 9, cpu.CHUNK_KEYS + 40]
     batch = make_paged_batch([1] * len(lens), lens, 2, 2, 64, bs, CACHE_DTYPES[cache])
     batch.block_tables[0, 2] = batch.block_tables[0, 5] = batch.block_tables[1, 0] = -1
     batch.block_tables[2, 1:cpu.CHUNK_KEYS // bs + 3] = -1  # a whole key chunk released
-    got = cpu.paged_attention(*batch.args())
-    torch.testing.assert_close(got, paged_attention_ref(*batch.args()), **attention_tolerance(torch.float32))
+    got = cpu.paged_attention(*batch.args(), None, softcap)
+    want = paged_attention_ref(*batch.args(), None, softcap)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
 
 
 def test_a_row_reads_the_same_whatever_else_the_batch_holds():
