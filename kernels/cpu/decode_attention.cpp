@@ -141,7 +141,8 @@ void residual_row(const Side& s, int64_t row, int pos, int h, int Hkv, int D, fl
 }
 
 // Head row (page, pos, h) of one side, dequantised to float32. Returns a pointer to the row: into
-// the pool itself for fp32 pools, else into `buf` (D floats); `tmp` holds 2 * D floats of scratch.
+// the pool itself for fp32 pools, else into `buf` (D floats); `tmp` holds 2 * D floats of scratch and a tag
+// (int64 after them: the scale / zero row they hold, -1 for none; reused while consecutive keys share it).
 inline __attribute__((always_inline)) const float* load_row(const Side& s, int64_t page, int pos, int h,
                                                            int page_size, int Hkv, int D, float* buf, float* tmp) {
     if (s.kind <= 3) {
@@ -181,25 +182,42 @@ inline __attribute__((always_inline)) const float* load_row(const Side& s, int64
     }
     const int bits = s.bits, per = 8 / bits, mask = (1 << bits) - 1;
     const uint8_t* c = (const uint8_t*)s.data + (slot * Hkv + h) * (D / per);
+    int64_t* tag = (int64_t*)(tmp + 2 * D);  // which scale / zero row tmp holds (keys: shared by `group` tokens)
     float* sc = tmp;
     float* zr = tmp + D;
+    int64_t g0;
+    int ng;
     if (s.kind == 11) {  // per channel over `group` tokens: scale/zero [pages, bs / G, Hkv, D]
-        int64_t g0 = ((page * (page_size / s.group) + pos / s.group) * Hkv + h) * D;
-        half_row(s.scale16 + g0, sc, D);
-        half_row(s.zero16 + g0, zr, D);
-        for (int d = 0; d < D; ++d) {
-            int code = (c[d / per] >> ((d % per) * bits)) & mask;
-            buf[d] = float(code) * sc[d] + zr[d];
-        }
+        g0 = ((page * (page_size / s.group) + pos / s.group) * Hkv + h) * D;
+        ng = D;
     } else {  // kind 12: per token over `group` channels: scale/zero [slots, Hkv, D / G]
-        const int ng = D / s.group;
-        int64_t g0 = (slot * Hkv + h) * ng;
+        ng = D / s.group;
+        g0 = (slot * Hkv + h) * ng;
+    }
+    if (*tag != g0) {
         half_row(s.scale16 + g0, sc, ng);
         half_row(s.zero16 + g0, zr, ng);
-        for (int d = 0; d < D; ++d) {
-            int code = (c[d / per] >> ((d % per) * bits)) & mask;
-            buf[d] = float(code) * sc[d / s.group] + zr[d / s.group];
+        *tag = g0;
+    }
+    const bool per_channel = s.kind == 11;
+#if defined(__AVX512F__)
+    if (bits == 4 && (D & 15) == 0 && (per_channel || (s.group & 15) == 0)) {
+        for (int d = 0; d < D; d += 16) {  // 8 bytes -> 16 codes, low nibble first
+            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(c + d / 2)));
+            const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+            const __m256i c16 = _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+            const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(c16));
+            const __m512 sv = per_channel ? _mm512_loadu_ps(sc + d) : _mm512_set1_ps(sc[d / s.group]);
+            const __m512 zv = per_channel ? _mm512_loadu_ps(zr + d) : _mm512_set1_ps(zr[d / s.group]);
+            _mm512_storeu_ps(buf + d, _mm512_add_ps(_mm512_mul_ps(code, sv), zv));  // code * s + z, as the reference
         }
+        return buf;
+    }
+#endif
+    for (int d = 0; d < D; ++d) {
+        const int code = (c[d / per] >> ((d % per) * bits)) & mask;
+        const int at = per_channel ? d : d / s.group;
+        buf[d] = float(code) * sc[at] + zr[at];
     }
     return buf;
 }
@@ -400,10 +418,13 @@ inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, i
 void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
     const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(HG) * D + size_t(2) * D + size_t(2 * TILE) * D + D + size_t(G) * TILE);
+    scratch.resize(size_t(HG) * D + size_t(4) * D + 4 + size_t(2 * TILE) * D + D + size_t(G) * TILE);
+    for (float* t : {scratch.data() + size_t(HG) * D + 2 * D, scratch.data() + size_t(HG) * D + 4 * D + 2})
+        *(int64_t*)t = -1;  // no scale / zero row held yet
     float* qg = scratch.data();               // [Hkv * G, D]
-    float* tmp = qg + size_t(HG) * D;         // [2 * D]
-    float* kbuf = tmp + 2 * D;                // [TILE, D]
+    float* ktmp = qg + size_t(HG) * D;        // [2 * D + 2] scale / zero rows of K and their tag
+    float* vtmp = ktmp + 2 * D + 2;           // [2 * D + 2] of V
+    float* kbuf = vtmp + 2 * D + 2;           // [TILE, D]
     float* vbuf = kbuf + size_t(TILE) * D;    // [TILE, D]
     float* zeros = vbuf + size_t(TILE) * D;   // [D] the row a released key points at (its weight is 0)
     float* s = zeros + D;                     // [G, TILE]
@@ -446,12 +467,12 @@ void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float
                     vrow[i] = zeros;
                     continue;
                 }
-                krow[i] = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D, kbuf + size_t(i) * D, tmp);
+                krow[i] = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D, kbuf + size_t(i) * D, ktmp);
                 dots(qg + size_t(h * G) * D, krow[i], G, D, s + i, TILE);
             }
             for (int i = 0; i < n; ++i)  // each V row decoded once for the G heads
                 if (pages[i] >= 0)
-                    vrow[i] = load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D, vbuf + size_t(i) * D, tmp);
+                    vrow[i] = load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D, vbuf + size_t(i) * D, vtmp);
             for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
                 const int hg = h * G + g;
                 float* sg = s + g * TILE;
