@@ -417,19 +417,18 @@ inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, i
 // tile's slots are prefetched.
 void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
     const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
+    const size_t tmp_len = 2 * size_t(D) + 2;  // scale / zero rows of one KV head and their tag
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(HG) * D + size_t(4) * D + 4 + size_t(2 * TILE) * D + D + size_t(G) * TILE);
-    for (float* t : {scratch.data() + size_t(HG) * D + 2 * D, scratch.data() + size_t(HG) * D + 4 * D + 2})
-        *(int64_t*)t = -1;  // no scale / zero row held yet
-    float* qg = scratch.data();               // [Hkv * G, D]
-    float* ktmp = qg + size_t(HG) * D;        // [2 * D + 2] scale / zero rows of K and their tag
-    float* vtmp = ktmp + 2 * D + 2;           // [2 * D + 2] of V
-    float* kbuf = vtmp + 2 * D + 2;           // [TILE, D]
-    float* vbuf = kbuf + size_t(TILE) * D;    // [TILE, D]
-    float* zeros = vbuf + size_t(TILE) * D;   // [D] the row a released key points at (its weight is 0)
-    float* s = zeros + D;                     // [G, TILE]
+    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + size_t(HG) * TILE);
+    float* qg = scratch.data();                       // [Hkv * G, D]
+    float* ktmp = qg + size_t(HG) * D;                // [Hkv, tmp_len] per KV head: keys' scale rows serve G tokens
+    float* vtmp = ktmp + Hkv * tmp_len;               // [Hkv, tmp_len]
+    float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows
+    float* vbuf = kbuf + size_t(TILE) * Hkv * D;      // [TILE, Hkv, D]
+    float* zeros = vbuf + size_t(TILE) * Hkv * D;     // [D] the row a released key points at (its weight is 0)
+    float* s = zeros + D;                             // [Hkv * G, TILE] scores, then weights
+    for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;  // no scale row held yet
     std::memset(zeros, 0, sizeof(float) * D);
-    const float* krow[TILE];
     const float* vrow[TILE];
     int64_t pages[TILE];
     int pos_of[TILE];
@@ -448,34 +447,27 @@ void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float
             pos_of[i] = pos;
             pages[i] = table[col];
             if (++pos == a.page) { pos = 0; ++col; }
+            if (pages[i] >= 0) prefetch_slot(*a.v, pages[i], pos_of[i], a.page, Hkv, D);  // read after the keys
         }
-        {  // prefetch the next tile's slots
-            int c = col, p = pos;
-            for (int i = 0, m2 = std::min(TILE, hi - j0 - n); i < m2; ++i) {
-                const int64_t pg = table[c];
-                if (pg >= 0) {
-                    prefetch_slot(*a.k, pg, p, a.page, Hkv, D);
-                    prefetch_slot(*a.v, pg, p, a.page, Hkv, D);
-                }
-                if (++p == a.page) { p = 0; ++c; }
+        for (int i = 0; i < n; ++i) {  // scores, key-major: each key's slot (every KV head) read in order
+            if (pages[i] < 0) {  // released page: never attended to
+                for (int hg = 0; hg < HG; ++hg) s[hg * TILE + i] = NEG_INF;
+                continue;
+            }
+            for (int h = 0; h < Hkv; ++h) {
+                const float* kr = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                           kbuf + (size_t(i) * Hkv + h) * D, ktmp + h * tmp_len);
+                dots(qg + size_t(h * G) * D, kr, G, D, s + size_t(h * G) * TILE + i, TILE);
             }
         }
         for (int h = 0; h < Hkv; ++h) {
-            for (int i = 0; i < n; ++i) {  // scores of the tile's keys for the G heads of KV head h
-                if (pages[i] < 0) {  // released page: never attended to
-                    for (int g = 0; g < G; ++g) s[g * TILE + i] = NEG_INF;
-                    vrow[i] = zeros;
-                    continue;
-                }
-                krow[i] = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D, kbuf + size_t(i) * D, ktmp);
-                dots(qg + size_t(h * G) * D, krow[i], G, D, s + i, TILE);
-            }
             for (int i = 0; i < n; ++i)  // each V row decoded once for the G heads
-                if (pages[i] >= 0)
-                    vrow[i] = load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D, vbuf + size_t(i) * D, vtmp);
+                vrow[i] = pages[i] < 0 ? zeros
+                                       : load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                                  vbuf + (size_t(i) * Hkv + h) * D, vtmp + h * tmp_len);
             for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
                 const int hg = h * G + g;
-                float* sg = s + g * TILE;
+                float* sg = s + size_t(hg) * TILE;
                 if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
                     for (int i = 0; i < n; ++i)
                         sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
