@@ -26,7 +26,7 @@ COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("m
            ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
            ("kernel_gbs", "kernel GB/s"), ("kernel_roof", "kernel / roof"), ("ref_roof", "reference / roof"),
            ("kernel_cpu_roof", "kernel / roof, CPU time"), ("ref_cpu_roof", "reference / roof, CPU time"),
-           ("step_ms", "kernel ms per step (x30 layers)"), ("max_diff", "max |kernel - ref|")]
+           ("step_ms", "kernel ms per step (x30 layers)"), ("max_diff_s", "max |kernel - ref|")]
 
 
 def read_roof(gib: float, repeats: int) -> tuple[float, float]:
@@ -124,7 +124,8 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
                              "kernel_gbs": nbytes / km / 1e9, "kernel_roof": nbytes / km / 1e9 / roof,
                              "ref_gbs": nbytes / rm / 1e9, "ref_roof": nbytes / rm / 1e9 / roof,
                              "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
-                             "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "kernel_s": kt, "ref_s": rt})
+                             "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
+                             "kernel_s": kt, "ref_s": rt})
                 log(f"b{batch} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
                     f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
                 del k, v, plan
