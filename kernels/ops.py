@@ -1,7 +1,8 @@
 """Backend dispatch: the engine's entry points into the kernels.
 
-`auto` runs Triton on CUDA tensors and the torch reference on CPU tensors;
-`torch` and `triton` force one (Triton on CPU needs TRITON_INTERPRET=1 set
+`auto` runs Triton on CUDA tensors and, on CPU tensors, the native CPU decode attention
+(kvlab.kernels.cpu, built with g++ on first use; KVLAB_CPU_KERNELS=0 turns it off) with the torch
+reference for everything else; `torch` and `triton` force one (Triton on CPU needs TRITON_INTERPRET=1 set
 before the kernels are first used). The backend comes from
 KVLAB_KERNEL_BACKEND at import, `set_backend(name)`, or `with backend(name):`.
 
@@ -28,6 +29,7 @@ import torch
 from kvlab.kernels.reference import block_ops as _ref_blocks
 from kvlab.kernels.reference import paged_attention as _ref_attn
 from kvlab.kernels.attention_plan import AttentionPlan, plan_paged_attention
+from kvlab.kernels.cpu import decode_attention as _cpu_attn
 from kvlab.kernels.reference.store_kv import store_kv_ref
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -69,6 +71,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton"
 
 
+def use_cpu_kernels(t: torch.Tensor) -> bool:
+    """The native CPU kernels: `auto` backend, a CPU tensor, KVLAB_CPU_KERNELS not 0."""
+    return _backend == "auto" and t.device.type == "cpu" and _cpu_attn.enabled()
+
+
 def _triton(module: str, name: str):
     """A Triton launcher, imported on first use (kvlab.kernels.<module>.<name>)."""
     return getattr(importlib.import_module(f"kvlab.kernels.{module}"), name)
@@ -103,7 +110,10 @@ def run_paged_attention(
     stats_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[T, Hq, D] output, or (output, stats [B, Hkv, max seq_len]) with `return_stats`."""
-    fn = _triton("paged_attention", "run_paged_attention") if use_triton(q) else _ref_attn.run_paged_attention
+    if use_triton(q):
+        fn = _triton("paged_attention", "run_paged_attention")
+    else:
+        fn = _cpu_attn.run_paged_attention if use_cpu_kernels(q) else _ref_attn.run_paged_attention
     return fn(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
               return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)
 
@@ -123,7 +133,10 @@ def paged_attention(
     **kwargs,  # tree_mask, return_stats, stats_window, out, stats_out
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plan and run in one call (tests, one-off use); the engine plans once per step instead."""
-    fn = _triton("paged_attention", "paged_attention") if use_triton(q) else _ref_attn.paged_attention_ref
+    if use_triton(q):
+        fn = _triton("paged_attention", "paged_attention")
+    else:
+        fn = _cpu_attn.paged_attention if use_cpu_kernels(q) else _ref_attn.paged_attention_ref
     return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap,
               k_scale, v_scale, **kwargs)
 
@@ -161,4 +174,5 @@ __all__ = [
     "get_backend",
     "backend",
     "use_triton",
+    "use_cpu_kernels",
 ]

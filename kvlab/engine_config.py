@@ -76,8 +76,9 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # model compute dtype
     device: str = "cpu"  # torch device of the model and the KV pool
     seed: int = 0  # sampling seed (and the random:* models' weights), an integer in [0, 2**63)
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, torch otherwise;
-    # triton on a CPU device only under Triton's interpreter (TRITON_INTERPRET=1, for kernel tests)
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA tensors, on CPU the native
+    # decode attention (kvlab.kernels.cpu, g++ on first use; KVLAB_CPU_KERNELS=0: off) and torch for the rest; torch:
+    # the torch reference everywhere; triton on a CPU device only under Triton's interpreter (TRITON_INTERPRET=1)
     enable_prefix_caching: bool = False  # share full pages of common prefixes between requests (hashed)
     prefix_match: Literal["page", "token"] = "page"  # token: also share a cached page's first tokens (copied on write)
     prefix_cache: Literal["hash", "radix"] = "hash"  # the index of cached pages: hashed blocks | radix tree (always token-granular)

@@ -25,6 +25,7 @@ def test_installed_package_ships_its_configs(tmp_path):
     assert pip.returncode == 0, pip.stderr[-3000:]
     assert (target / "kvlab" / "conf" / "engine" / "contiguous.yaml").is_file()
     assert (target / "kvlab" / "conf" / "hydra" / "launcher" / "parallel.yaml").is_file()
+    assert (target / "kvlab" / "kernels" / "cpu" / "decode_attention.cpp").is_file()  # built on first use
     roots = {"kvlab": "kvlab", "policies": "kvlab/policies", "kernels": "kvlab/kernels"}
     for root, installed in roots.items():  # every package of the checkout ships (pyproject lists them)
         for init in (REPO / root).rglob("__init__.py"):

@@ -75,12 +75,16 @@ def test_attention_rejects_bad_inputs():
 
 
 def test_ops_dispatch(monkeypatch):
-    """auto: Triton for CUDA tensors, reference for CPU tensors; `triton`/`torch` force one."""
+    """auto: Triton for CUDA tensors; for CPU tensors the CPU kernels' attention launcher (reference without
+    it: KVLAB_CPU_KERNELS=0) and the reference for the rest; `triton`/`torch` force one."""
+    from kvlab.kernels.cpu import decode_attention as cpu_attn
+
     calls = []
     monkeypatch.setattr(triton_store, "store_kv", lambda *a: calls.append("triton"))
     monkeypatch.setattr(ops, "store_kv_ref", lambda *a: calls.append("torch"))
     monkeypatch.setattr(triton_attn, "run_paged_attention", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(ref_attn, "run_paged_attention", lambda *a, **k: calls.append("torch"))
+    monkeypatch.setattr(cpu_attn, "run_paged_attention", lambda *a, **k: calls.append("cpu"))
     monkeypatch.setattr(triton_blocks, "copy_blocks", lambda *a: calls.append("triton"))
     monkeypatch.setattr(triton_blocks, "compact_slots", lambda *a: calls.append("triton"))
     cpu = torch.zeros(1)
@@ -92,8 +96,11 @@ def test_ops_dispatch(monkeypatch):
         return list(calls)
 
     with ops.backend("auto"):
-        assert run_all() == ["torch", "torch"]
+        assert run_all() == ["torch", "cpu"]
         assert ops.use_triton(cpu) is False
+        monkeypatch.setenv("KVLAB_CPU_KERNELS", "0")
+        assert run_all() == ["torch", "torch"]
+        monkeypatch.delenv("KVLAB_CPU_KERNELS")
     with ops.backend("triton"):
         assert run_all() == ["triton", "triton"]
         calls.clear()

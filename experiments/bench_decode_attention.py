@@ -1,0 +1,182 @@
+"""Decode attention on the CPU: the native kernel (kvlab.kernels.cpu) against the torch reference, at the memory roof.
+
+One layer's decode attention (one query per sequence) over a paged pool in SmolLM2-135M's shape (9 query heads,
+3 KV heads, head_dim 64, 16-token pages held in shuffled order), for batch x context x cache format. Both
+backends run on the same pool and plan, interleaved within every repeat; the time is the median over repeats
+of the mean over --iters calls. Bytes read are the pages' K and V bytes as stored (codes, scales and zero points
+of packed pages; residual rows of open pages), each once; GB/s is bytes / time, and the roof is the machine's
+streaming read measured in the same run (`torch.sum` over a --roof-gib GiB tensor of random float32, same thread
+count). A decode step of SmolLM2 runs this 30 times (30 layers).
+
+    python experiments/bench_decode_attention.py                       # the full grid, 1 thread
+    python experiments/bench_decode_attention.py --batch 1 --context 512 --formats fp32 --repeats 2 --out /tmp/da
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_throughput import REPO, log, metadata, provenance, save, table
+
+FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
+HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
+COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("mib", "K+V MiB read"),
+           ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
+           ("kernel_gbs", "kernel GB/s"), ("kernel_roof", "kernel / roof"), ("ref_roof", "reference / roof"),
+           ("kernel_cpu_roof", "kernel / roof, CPU time"), ("ref_cpu_roof", "reference / roof, CPU time"),
+           ("step_ms", "kernel ms per step (x30 layers)"), ("max_diff_s", "max |kernel - ref|")]
+
+
+def read_roof(gib: float, repeats: int) -> tuple[float, float]:
+    """Streaming read GB/s by wall time and by this thread's CPU time: torch.sum over random float32 (constant
+    data reads faster than memory can deliver)."""
+    import torch
+
+    x = torch.rand(int(gib * (1 << 30)) // 4)
+    x.sum()
+    wall, cpu = zip(*(timed(x.sum, 1) for _ in range(repeats)))
+    return x.numel() * 4 / statistics.median(wall) / 1e9, x.numel() * 4 / statistics.median(cpu) / 1e9
+
+
+def pool(fmt: str, batch: int, context: int, seed: int):
+    """(k, v, plan, bytes read): `batch` sequences of `context` random tokens in a pool of shuffled pages."""
+    import torch
+
+    from kvlab.cache.block_manager import LayerGroup
+    from kvlab.cache.kv_cache import KVCache
+    from kvlab.engine.attention import leaving_window
+    from kvlab.kernels.attention_plan import plan_paged_attention
+    from kvlab.registry import build
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // BS)
+    num_pages = batch * per_seq + 1
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    tables = [pages[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
+    quant = build("quant", fmt)
+    cache = KVCache([LayerGroup((0,))], num_pages + 1, BS, HKV, D, quant, torch.float32, "cpu",
+                    residual_rows=batch * 4 if quant.packed else None)
+    for table in tables:
+        index = torch.arange(context)
+        slots = torch.tensor(table)[index // BS] * BS + index % BS
+        x = torch.randn(context, HKV, D, generator=g)
+        seal = leaving_window([table], [context], [context], getattr(quant, "residual", None) or 0, BS)
+        cache.begin_step([slots], None if cache.residual is None else [seal])
+        cache.store(0, x, torch.randn(context, HKV, D, generator=g), slots)
+    plan = plan_paged_attention(list(range(batch + 1)), [context] * batch, tables, BS)
+    return cache.k(0), cache.v(0), plan, bytes_read(cache, tables, context)
+
+
+def bytes_read(cache, tables, context: int) -> int:
+    """K and V bytes of every page the batch reads, as stored (an open page: its residual row)."""
+    k, v = cache.k(0), cache.v(0)
+    if not cache.quant.packed:
+        return 2 * len(tables) * context * HKV * D * k.element_size()
+    total = 0
+    for store in (k, v):
+        page_bytes = sum(t[0].numel() * t.element_size() for t in store.parts.values())
+        row_bytes = BS * HKV * D * (store.residual.element_size() if store.residual is not None else 0)
+        for table in tables:
+            for page in table:
+                total += row_bytes if cache.area is not None and cache.area.row(page) >= 0 else page_bytes
+    return total
+
+
+def timed(fn, iters: int) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) per call, the mean over `iters` calls. With one thread the
+    kernel runs on the calling thread, so CPU time leaves out the time other jobs held the core."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - w0) / iters, (time.thread_time() - c0) / iters
+
+
+def run(args) -> tuple[list[dict], tuple[float, float]]:
+    import torch
+
+    from kvlab.kernels.cpu import decode_attention as cpu
+    from kvlab.kernels.reference import paged_attention as ref
+
+    torch.set_num_threads(args.threads)
+    if not cpu.available():
+        raise SystemExit("the CPU kernels are not available (no g++, or KVLAB_CPU_KERNELS=0)")
+    roof, roof_cpu = read_roof(args.roof_gib, 5)
+    log(f"streaming read roof: {roof:.1f} GB/s, {roof_cpu:.1f} GB/s by CPU time ({args.threads} thread(s))")
+    rows = []
+    for batch in args.batch:
+        for context in args.context:
+            for fmt in args.formats:
+                k, v, plan, nbytes = pool(fmt, batch, context, args.seed)
+                q = torch.randn(batch, HQ, D)
+                run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+                run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+                diff = float((run_kernel() - run_ref()).abs().max())  # also warms both up (plans, memos)
+                kt, rt = [], []
+                for _ in range(args.repeats):
+                    kt.append(timed(run_kernel, args.iters))
+                    rt.append(timed(run_ref, max(1, args.iters // 4)))
+                km, rm = (statistics.median(t[0] for t in ts) for ts in (kt, rt))
+                kc, rc = (statistics.median(t[1] for t in ts) for ts in (kt, rt))
+                rows.append({"batch": batch, "context": context, "format": fmt, "mib": nbytes / 2**20,
+                             "kernel_ms": 1e3 * km, "ref_ms": 1e3 * rm, "speedup": rm / km,
+                             "kernel_gbs": nbytes / km / 1e9, "kernel_roof": nbytes / km / 1e9 / roof,
+                             "ref_gbs": nbytes / rm / 1e9, "ref_roof": nbytes / rm / 1e9 / roof,
+                             "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
+                             "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
+                             "kernel_s": kt, "ref_s": rt})
+                log(f"b{batch} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
+                    f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
+                del k, v, plan
+    return rows, (roof, roof_cpu)
+
+
+def report(rows: list[dict], roofs: tuple[float, float], meta: dict, args) -> str:
+    return "\n".join([
+        "# Paged decode attention on the CPU: native kernel vs torch reference",
+        "",
+        *provenance(meta, "other jobs share the cores: timings are indicative only"),
+        f"One layer's decode attention in SmolLM2-135M's shape ({HQ} query heads, {HKV} KV heads, head_dim {D}, "
+        f"{BS}-token pages in shuffled order), fp32 queries; {args.threads} thread(s). Time: median over "
+        f"{args.repeats} repeats of the mean of {args.iters} kernel calls ({max(1, args.iters // 4)} reference "
+        f"calls), both backends interleaved in every repeat. Bytes read: the pages' K and V as stored (int8: codes "
+        "and fp16 scales; int4: KIVI codes, fp16 scales and zero points, and the fp32 residual rows of the open "
+        "pages), once each. Roof: `torch.sum` over "
+        f"{args.roof_gib} GiB of random float32 in the same run, {args.threads} thread(s): **{roofs[0]:.1f} GB/s** by "
+        f"wall time, **{roofs[1]:.1f} GB/s** by the thread's CPU time. The CPU-time columns divide bytes by the "
+        "calling thread's CPU time (the kernel runs on it with one thread) and compare with the roof's CPU-time "
+        "figure: they leave out the time other jobs held the core, not the memory they shared.",
+        "",
+        table(rows, COLUMNS),
+        "",
+    ])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, nargs="+", default=[512, 3000, 8192])
+    p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    p.add_argument("--threads", type=int, default=1, help="torch and kernel threads (the machine is shared)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--iters", type=int, default=8, help="kernel calls per repeat (a quarter as many reference calls)")
+    p.add_argument("--roof-gib", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "experiments" / "results" / "decode_attention_cpu"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.model = "SmolLM2-135M attention shape"  # what metadata() records as the model
+    meta = metadata(args)
+    rows, roofs = run(args)
+    meta["roof_gbs"], meta["roof_cpu_gbs"] = roofs
+    save(args.out, report(rows, roofs, meta, args), meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

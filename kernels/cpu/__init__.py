@@ -1,0 +1,9 @@
+"""kvlab.kernels.cpu: native CPU kernels (C++ / OpenMP, built with g++ on first use, loaded with ctypes).
+
+    decode_attention.cpp  paged decode attention: K/V read once from the pool through the block table
+    decode_attention.py   its launcher (same signature as the torch reference; falls back to it)
+    build.py              compile into ~/.cache/kvlab/cpu_kernels (keyed by source hash), load, or warn once
+
+`kvlab.kernels.ops` runs it for CPU tensors under the `auto` backend; KVLAB_CPU_KERNELS=0 or the `torch`
+backend (EngineConfig.kernel_backend='torch') runs the reference instead.
+"""

@@ -1,0 +1,96 @@
+"""Build the CPU kernels on first use: g++ with OpenMP into a cache folder, loaded with ctypes.
+
+The shared library is keyed by a hash of the source, the compiler flags, the compiler's version and the
+CPU's instruction-set flags (it is built with -march=native), so an edited source, another compiler or
+another machine builds its own copy and never loads a stale one. The folder is $KVLAB_CPU_KERNEL_CACHE,
+else ~/.cache/kvlab/cpu_kernels. A build writes a temporary file and renames it into place, so processes
+building at once never load a half-written library.
+
+    lib = load_library()   # ctypes.CDLL, or None (one warning) when no compiler or the build fails
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
+ABI_VERSION = 1  # kvlab_abi_version() of decode_attention.cpp
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVLAB_CPU_KERNEL_CACHE") or Path.home() / ".cache" / "kvlab" / "cpu_kernels")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def library_path(cxx: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"decode_attention-{key.hexdigest()[:20]}.so"
+
+
+def build(cxx: str, target: Path) -> None:
+    """Compile SOURCE into `target` (atomically); raises RuntimeError with the compiler's message on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@lru_cache(maxsize=None)
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels (built first when missing), or None after one warning."""
+    cxx = compiler()
+    if cxx is None:
+        warnings.warn("kvlab: no C++ compiler (g++) found: CPU decode attention runs the torch reference",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        target = library_path(cxx)
+        if not target.exists():
+            build(cxx, target)
+        lib = ctypes.CDLL(str(target))
+        if lib.kvlab_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{target} has ABI {lib.kvlab_abi_version()}, expected {ABI_VERSION}")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"kvlab: CPU kernels unavailable ({e}): CPU decode attention runs the torch reference",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return lib

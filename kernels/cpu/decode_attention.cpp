@@ -1,0 +1,552 @@
+// Paged decode attention on the CPU: one query per sequence, K/V read straight from the paged pool
+// through the block table, each cached byte read once, online softmax (FlashAttention, arXiv:2205.14135;
+// Flash-Decoding's split over key ranges, then a reduction of the partials).
+//
+// Work unit: (row b, key chunk c), every KV head. Chunk c covers the absolute cache indices
+// [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
+// length, never on the batch: every row reduces in the same order whatever else the step holds.
+// The G query heads of a KV head share each decoded K/V row (GQA).
+//
+// Storage read in-register (decoded a head row of D channels at a time into an L1 buffer):
+//   kind 0/1/2   fp32 / bf16 / fp16 pool tensor            [NB, bs, Hkv, D] (strided)
+//   kind 3       fp8 pool tensor, per-KV-head float scale   (256-entry LUT of the fp8 codes)
+//   kind 10      int8 codes, fp16 scale per token per head  (kvlab.cache.quant.int8)
+//   kind 11      KIVI keys: packed codes, fp16 scale/zero per channel over `group` tokens
+//   kind 12      KIVI values: packed codes, fp16 scale/zero per token over `group` channels
+//   kind 13      fp8 codes (LUT), fp16 scale per token per head (kvlab.cache.quant.fp8, scaling=token)
+// Packed kinds may keep open pages in full-precision residual rows (row_of[page] >= 0): element
+// e = (pos * Hkv + h) * D + d of row r is res[lease[r * res_k + e / res_chunk] * res_chunk + e % res_chunk]
+// (kvlab.cache.quant.page_store).
+//
+// Shapes: q [T, Hq, D] float32 (strided), out [T, Hq, D] float32 (strided), tables [B, width] int32.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" {
+
+struct Side {
+    int32_t kind;
+    int32_t bits;
+    int32_t group;
+    int32_t res_dtype;  // 0 fp32, 1 bf16, 2 fp16
+    const void* data;
+    const uint16_t* scale16;  // packed kinds: fp16 scales
+    const uint16_t* zero16;   // KIVI: fp16 zero points
+    const float* head_scale;  // kind 3: [Hkv]
+    const float* lut;         // kinds 3, 13: [256] fp8 code -> float
+    int64_t s_block, s_pos, s_head;  // pool tensor strides (elements; kinds 0-3)
+    const void* res;          // residual storage (nullptr: none)
+    const int64_t* row_of;    // [pages]
+    const int64_t* lease;     // [rows, res_k]
+    int64_t res_k;
+    int64_t res_chunk;
+};
+
+}  // extern "C"
+
+namespace {
+
+constexpr int TILE = 32;  // keys per online-softmax step
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { man <<= 1; ++e; } while (!(man & 0x400));
+            u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | man << 13;
+    } else {
+        u = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+inline void bf16_row(const uint16_t* src, float* dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; ++i) {
+        uint32_t u = uint32_t(src[i]) << 16;
+        std::memcpy(dst + i, &u, 4);
+    }
+}
+
+inline void half_row(const uint16_t* src, float* dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+inline float res_at(const Side& s, int64_t off) {
+    switch (s.res_dtype) {
+        case 0: return ((const float*)s.res)[off];
+        case 1: return bf16_to_float(((const uint16_t*)s.res)[off]);
+        default: return half_to_float(((const uint16_t*)s.res)[off]);
+    }
+}
+
+// The residual row of an open page, head h at slot pos -> dst[D].
+void residual_row(const Side& s, int64_t row, int pos, int h, int Hkv, int D, float* dst) {
+    int64_t e0 = (int64_t(pos) * Hkv + h) * D;
+    const int64_t ch = s.res_chunk;
+    if (e0 / ch == (e0 + D - 1) / ch) {  // the head row lies in one chunk: contiguous
+        int64_t off = s.lease[row * s.res_k + e0 / ch] * ch + e0 % ch;
+        if (s.res_dtype == 0) std::memcpy(dst, (const float*)s.res + off, sizeof(float) * D);
+        else if (s.res_dtype == 1) bf16_row((const uint16_t*)s.res + off, dst, D);
+        else half_row((const uint16_t*)s.res + off, dst, D);
+        return;
+    }
+    for (int d = 0; d < D; ++d) {
+        int64_t e = e0 + d;
+        dst[d] = res_at(s, s.lease[row * s.res_k + e / ch] * ch + e % ch);
+    }
+}
+
+// Head row (page, pos, h) of one side, dequantised to float32. Returns a pointer to the row: into
+// the pool itself for fp32 pools, else into `buf` (D floats); `tmp` holds 2 * D floats of scratch and a tag
+// (int64 after them: the scale / zero row they hold, -1 for none; reused while consecutive keys share it).
+inline __attribute__((always_inline)) const float* load_row(const Side& s, int64_t page, int pos, int h,
+                                                           int page_size, int Hkv, int D, float* buf, float* tmp) {
+    if (s.kind <= 3) {
+        int64_t off = page * s.s_block + pos * s.s_pos + h * s.s_head;
+        switch (s.kind) {
+            case 0: return (const float*)s.data + off;
+            case 1: bf16_row((const uint16_t*)s.data + off, buf, D); return buf;
+            case 2: half_row((const uint16_t*)s.data + off, buf, D); return buf;
+            default: {
+                const uint8_t* c = (const uint8_t*)s.data + off;
+                float sc = s.head_scale ? s.head_scale[h] : 1.0f;
+                if (s.head_scale) for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]] * sc;
+                else for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]];
+                return buf;
+            }
+        }
+    }
+    if (s.res && s.row_of[page] >= 0) {
+        residual_row(s, s.row_of[page], pos, h, Hkv, D, buf);
+        return buf;
+    }
+    const int64_t slot = page * page_size + pos;
+    switch (s.kind) {
+        case 10: {
+            const int8_t* c = (const int8_t*)s.data + (slot * Hkv + h) * D;
+            float sc = half_to_float(s.scale16[slot * Hkv + h]);
+            for (int d = 0; d < D; ++d) buf[d] = float(c[d]) * sc;
+            return buf;
+        }
+        case 13: {
+            const uint8_t* c = (const uint8_t*)s.data + (slot * Hkv + h) * D;
+            float sc = half_to_float(s.scale16[slot * Hkv + h]);
+            for (int d = 0; d < D; ++d) buf[d] = s.lut[c[d]] * sc;
+            return buf;
+        }
+        default: break;
+    }
+    const int bits = s.bits, per = 8 / bits, mask = (1 << bits) - 1;
+    const uint8_t* c = (const uint8_t*)s.data + (slot * Hkv + h) * (D / per);
+    int64_t* tag = (int64_t*)(tmp + 2 * D);  // which scale / zero row tmp holds (keys: shared by `group` tokens)
+    float* sc = tmp;
+    float* zr = tmp + D;
+    int64_t g0;
+    int ng;
+    if (s.kind == 11) {  // per channel over `group` tokens: scale/zero [pages, bs / G, Hkv, D]
+        g0 = ((page * (page_size / s.group) + pos / s.group) * Hkv + h) * D;
+        ng = D;
+    } else {  // kind 12: per token over `group` channels: scale/zero [slots, Hkv, D / G]
+        ng = D / s.group;
+        g0 = (slot * Hkv + h) * ng;
+    }
+    if (*tag != g0) {
+        half_row(s.scale16 + g0, sc, ng);
+        half_row(s.zero16 + g0, zr, ng);
+        *tag = g0;
+    }
+    const bool per_channel = s.kind == 11;
+#if defined(__AVX512F__)
+    if (bits == 4 && (D & 15) == 0 && (per_channel || (s.group & 15) == 0)) {
+        for (int d = 0; d < D; d += 16) {  // 8 bytes -> 16 codes, low nibble first
+            const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(c + d / 2)));
+            const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+            const __m256i c16 = _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+            const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(c16));
+            const __m512 sv = per_channel ? _mm512_loadu_ps(sc + d) : _mm512_set1_ps(sc[d / s.group]);
+            const __m512 zv = per_channel ? _mm512_loadu_ps(zr + d) : _mm512_set1_ps(zr[d / s.group]);
+            _mm512_storeu_ps(buf + d, _mm512_add_ps(_mm512_mul_ps(code, sv), zv));  // code * s + z, as the reference
+        }
+        return buf;
+    }
+#endif
+    for (int d = 0; d < D; ++d) {
+        const int code = (c[d / per] >> ((d % per) * bits)) & mask;
+        const int at = per_channel ? d : d / s.group;
+        buf[d] = float(code) * sc[at] + zr[at];
+    }
+    return buf;
+}
+
+// Dot product in a fixed order: 16 lanes (two AVX-512 accumulators when D is a multiple of 16), then a fixed tree.
+inline float dot(const float* a, const float* b, int D) {
+#if defined(__AVX512F__)
+    if ((D & 15) == 0) {
+        __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 32 <= D; i += 32) {
+            x0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), x0);
+            x1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), x1);
+        }
+        if (i < D) x0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), x0);
+        return _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+#endif
+    float lane[16] = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 16; ++l) lane[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < D; ++i, ++l) lane[l] += a[i] * b[i];
+    for (int w = 8; w; w >>= 1)
+        for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+// x[i] <- exp(x[i] - m) for x[i] <= m (0 where x[i] - m < -87, -inf included): 2^k * p(r), r = t - k ln 2,
+// |r| <= ln 2 / 2, a degree-6 polynomial (relative error ~2e-7); returns the sum of the new x[i], in a fixed order.
+#if defined(__AVX512F__)
+inline __m512 exp_neg(__m512 t) {
+    const __m512 c = _mm512_max_ps(t, _mm512_set1_ps(-87.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), c);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+inline float exp_sub(float* x, int n, float m) {
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __m512 y = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + i), mv));
+        _mm512_mask_storeu_ps(x + i, in, y);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(in, y));
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float sum = 0.f;
+    for (int i = 0; i < n; ++i) {
+        const float t = std::max(x[i] - m, -87.f);
+        const float k = std::nearbyint(t * 1.44269504088896341f);
+        const float r = (t - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+        float p = 1.f / 720.f;
+        p = p * r + 1.f / 120.f;
+        p = p * r + 1.f / 24.f;
+        p = p * r + 1.f / 6.f;
+        p = p * r + 0.5f;
+        p = p * r + 1.f;
+        p = p * r + 1.f;
+        int32_t bits = (int32_t(k) + 127) << 23;
+        float scale;
+        std::memcpy(&scale, &bits, 4);
+        x[i] = x[i] - m < -87.f ? 0.f : p * scale;
+        sum += x[i];
+    }
+    return sum;
+#endif
+}
+
+// max(m, x[0..n)) (x scaled by `scale` in place first).
+inline float scale_max(float* x, int n, float scale, float m) {
+    for (int i = 0; i < n; ++i) x[i] *= scale;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(m);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        mx = _mm512_mask_max_ps(mx, in, mx, _mm512_maskz_loadu_ps(in, x + i));
+    }
+    return _mm512_reduce_max_ps(mx);
+#else
+    for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+#endif
+}
+
+#if defined(__AVX512F__)
+// NC = D / 16 chunks held in registers: NC independent FMA chains over the tile's keys.
+template <int NC>
+inline void accumulate_nc(float* acc, const float* p, const float* const* rows, int n) {
+    __m512 x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int i = 0; i < n; ++i) {
+        const __m512 w = _mm512_set1_ps(p[i]);
+        for (int c = 0; c < NC; ++c) x[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[i] + 16 * c), x[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, x[c]);
+}
+
+// s[g * stride] = q[g] . k for the G heads, each k chunk loaded once (G independent chains).
+template <int NC>
+inline void dots_nc(const float* q, const float* k, int G, float* s, int stride) {
+    __m512 kc[NC];
+    for (int c = 0; c < NC; ++c) kc[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int g = 0; g < G; ++g) {
+        const float* qg = q + size_t(g) * NC * 16;
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
+        __m512 x1 = NC > 1 ? _mm512_mul_ps(_mm512_loadu_ps(qg + 16), kc[1]) : _mm512_setzero_ps();
+        for (int c = 2; c + 1 < NC; c += 2) {
+            x0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], x0);
+            x1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c + 16), kc[c + 1], x1);
+        }
+        if (NC > 2 && NC % 2) x0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (NC - 1)), kc[NC - 1], x0);
+        s[g * stride] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+}
+#endif
+
+// acc [D] += sum over i < n of p[i] * rows[i] [D], keys in order.
+inline void accumulate(float* acc, const float* p, const float* const* rows, int n, int D) {
+#if defined(__AVX512F__)
+    switch (D) {
+        case 64: return accumulate_nc<4>(acc, p, rows, n);
+        case 128: return accumulate_nc<8>(acc, p, rows, n);
+        case 256: return accumulate_nc<16>(acc, p, rows, n);
+        default: break;
+    }
+    if ((D & 15) == 0) {
+        for (int c = 0; c < D; c += 16) {
+            __m512 x = _mm512_loadu_ps(acc + c);
+            for (int i = 0; i < n; ++i) x = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(rows[i] + c), x);
+            _mm512_storeu_ps(acc + c, x);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i)
+        for (int d = 0; d < D; ++d) acc[d] += p[i] * rows[i][d];
+}
+
+// s[g * stride] = q[g] [D] . k [D] for g < G.
+inline void dots(const float* q, const float* k, int G, int D, float* s, int stride) {
+#if defined(__AVX512F__)
+    switch (D) {
+        case 64: return dots_nc<4>(q, k, G, s, stride);
+        case 128: return dots_nc<8>(q, k, G, s, stride);
+        case 256: return dots_nc<16>(q, k, G, s, stride);
+        default: break;
+    }
+#endif
+    for (int g = 0; g < G; ++g) s[g * stride] = dot(q + size_t(g) * D, k, D);
+}
+
+struct Args {
+    const float* q; int64_t q_st, q_sh;
+    const Side* k; const Side* v;
+    const int32_t* tables; int64_t table_stride;
+    const int32_t* tokens; const int32_t* seq_lens; const int32_t* first_key;
+    int Hkv, G, D, page;
+    float scale, softcap;
+};
+
+// Bytes of one key's slot (every KV head) in a side's main storage, and where it starts.
+inline const char* slot_bytes(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D, int64_t* n) {
+    static const int esize[4] = {4, 2, 2, 1};
+    if (s.kind <= 3) {
+        *n = int64_t(Hkv) * s.s_head * esize[s.kind];
+        return (const char*)s.data + (page * s.s_block + pos * s.s_pos) * esize[s.kind];
+    }
+    const int64_t per_slot = s.kind == 10 || s.kind == 13 ? int64_t(Hkv) * D : int64_t(Hkv) * D * s.bits / 8;
+    *n = per_slot;
+    return (const char*)s.data + (page * page_size + pos) * per_slot;
+}
+
+inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
+    int64_t n;
+    const char* p = slot_bytes(s, page, pos, page_size, Hkv, D, &n);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+// One unit: keys [lo, hi) of row b, every KV head -> m [Hkv, G], l [Hkv, G], acc [Hkv, G, D] (unnormalised).
+// Keys are walked in order, a tile at a time, reading each key's slot (all its heads) while the next
+// tile's slots are prefetched.
+void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
+    const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
+    const size_t tmp_len = 2 * size_t(D) + 2;  // scale / zero rows of one KV head and their tag
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + size_t(HG) * TILE);
+    float* qg = scratch.data();                       // [Hkv * G, D]
+    float* ktmp = qg + size_t(HG) * D;                // [Hkv, tmp_len] per KV head: keys' scale rows serve G tokens
+    float* vtmp = ktmp + Hkv * tmp_len;               // [Hkv, tmp_len]
+    float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows
+    float* vbuf = kbuf + size_t(TILE) * Hkv * D;      // [TILE, Hkv, D]
+    float* zeros = vbuf + size_t(TILE) * Hkv * D;     // [D] the row a released key points at (its weight is 0)
+    float* s = zeros + D;                             // [Hkv * G, TILE] scores, then weights
+    for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;  // no scale row held yet
+    std::memset(zeros, 0, sizeof(float) * D);
+    const float* vrow[TILE];
+    int64_t pages[TILE];
+    int pos_of[TILE];
+    const int t = a.tokens[b];
+    for (int hg = 0; hg < HG; ++hg) {
+        std::memcpy(qg + size_t(hg) * D, a.q + t * a.q_st + int64_t(hg) * a.q_sh, sizeof(float) * D);
+        m[hg] = NEG_INF;
+        l[hg] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * HG * D);
+    const int32_t* table = a.tables + b * a.table_stride;
+    int col = lo / a.page, pos = lo % a.page;  // table column and slot of the next key (counted: no division)
+    for (int j0 = lo; j0 < hi; j0 += TILE) {
+        const int n = std::min(TILE, hi - j0);
+        for (int i = 0; i < n; ++i) {
+            pos_of[i] = pos;
+            pages[i] = table[col];
+            if (++pos == a.page) { pos = 0; ++col; }
+            if (pages[i] >= 0) prefetch_slot(*a.v, pages[i], pos_of[i], a.page, Hkv, D);  // read after the keys
+        }
+        for (int i = 0; i < n; ++i) {  // scores, key-major: each key's slot (every KV head) read in order
+            if (pages[i] < 0) {  // released page: never attended to
+                for (int hg = 0; hg < HG; ++hg) s[hg * TILE + i] = NEG_INF;
+                continue;
+            }
+            for (int h = 0; h < Hkv; ++h) {
+                const float* kr = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                           kbuf + (size_t(i) * Hkv + h) * D, ktmp + h * tmp_len);
+                dots(qg + size_t(h * G) * D, kr, G, D, s + size_t(h * G) * TILE + i, TILE);
+            }
+        }
+        for (int h = 0; h < Hkv; ++h) {
+            for (int i = 0; i < n; ++i)  // each V row decoded once for the G heads
+                vrow[i] = pages[i] < 0 ? zeros
+                                       : load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                                  vbuf + (size_t(i) * Hkv + h) * D, vtmp + h * tmp_len);
+            for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
+                const int hg = h * G + g;
+                float* sg = s + size_t(hg) * TILE;
+                if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
+                    for (int i = 0; i < n; ++i)
+                        sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
+                const float mt = scale_max(sg, n, a.softcap > 0.f ? 1.f : a.scale, m[hg]);
+                if (mt == NEG_INF) continue;
+                const float alpha = std::exp(m[hg] - mt);
+                float* ag = acc + size_t(hg) * D;
+                if (alpha != 1.f) {
+                    for (int d = 0; d < D; ++d) ag[d] *= alpha;
+                    l[hg] *= alpha;
+                }
+                l[hg] += exp_sub(sg, n, mt);
+                m[hg] = mt;
+                accumulate(ag, sg, vrow, n, D);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success.
+int kvlab_decode_attention(
+    const float* q, int64_t q_st, int64_t q_sh,
+    float* out, int64_t o_st, int64_t o_sh,
+    const Side* k, const Side* v,
+    const int32_t* tables, int64_t table_stride,
+    const int32_t* tokens, const int32_t* seq_lens, const int32_t* first_key,
+    int B, int Hkv, int G, int D, int page, float scale, float softcap, int chunk_keys, int num_threads) {
+    if (chunk_keys < 1 || D < 1 || G < 1) return 1;
+    Args a{q, q_st, q_sh, k, v, tables, table_stride, tokens, seq_lens, first_key, Hkv, G, D, page, scale, softcap};
+    // units: (b, chunk) pairs in row order, each for every KV head
+    std::vector<int> unit_row, unit_chunk, row_first(B + 1, 0);
+    for (int b = 0; b < B; ++b) {
+        const int lo = first_key[b], hi = seq_lens[b];
+        const int c0 = lo / chunk_keys, c1 = hi > lo ? (hi - 1) / chunk_keys + 1 : c0 + 1;
+        for (int c = c0; c < c1; ++c) { unit_row.push_back(b); unit_chunk.push_back(c); }
+        row_first[b + 1] = int(unit_row.size());
+    }
+    const int U = int(unit_row.size());
+    std::vector<float> m(size_t(U) * Hkv * G), l(m.size()), acc(m.size() * D);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int u = 0; u < U; ++u) {
+        const int b = unit_row[u];
+        const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
+        const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
+        const size_t at = size_t(u) * Hkv * G;
+        attend_unit(a, b, lo, hi, &m[at], &l[at], &acc[at * D]);
+    }
+    // reduce the partials of each (row, head) in chunk order
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t bh = 0; bh < int64_t(B) * Hkv * G; ++bh) {
+        const int b = int(bh / (int64_t(Hkv) * G)), hg = int(bh % (int64_t(Hkv) * G));
+        const int h = hg / G, g = hg % G;
+        float mx = NEG_INF;
+        for (int u = row_first[b]; u < row_first[b + 1]; ++u) mx = std::max(mx, m[(size_t(u) * Hkv + h) * G + g]);
+        float* o = out + int64_t(tokens[b]) * o_st + int64_t(hg) * o_sh;
+        if (mx == NEG_INF) {  // no visible key
+            for (int d = 0; d < D; ++d) o[d] = 0.f;
+            continue;
+        }
+        float lsum = 0.f;
+        std::vector<float> sum(D, 0.f);
+        for (int u = row_first[b]; u < row_first[b + 1]; ++u) {
+            const size_t at = (size_t(u) * Hkv + h) * G + g;
+            if (m[at] == NEG_INF) continue;
+            const float w = std::exp(m[at] - mx);
+            lsum += l[at] * w;
+            const float* ac = &acc[at * D];
+            for (int d = 0; d < D; ++d) sum[d] += ac[d] * w;
+        }
+        const float inv = 1.f / lsum;
+        for (int d = 0; d < D; ++d) o[d] = sum[d] * inv;
+    }
+    return 0;
+}
+
+int kvlab_abi_version() { return 1; }
+
+}  // extern "C"

@@ -1,0 +1,293 @@
+"""Launcher: paged decode attention on the CPU (decode_attention.cpp), beside the torch reference.
+
+Same signatures as kvlab.kernels.reference.paged_attention. Decode rows (one query each) run the C++
+kernel, which reads K/V straight from the pool through the block table (each cached byte once, online
+softmax, the G query heads of a KV head sharing every decoded row; PagedAttention arXiv:2309.06180,
+Flash-Decoding's split over key ranges). Extend rows (prefill chunks, verification) run the reference
+over a plan of their own; a tree mask, or a pool the kernel cannot read, runs the whole step on the
+reference. Attention statistics (`return_stats`) always come from the reference.
+
+A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
+row alone, never on the batch. The engine's batch-invariant mode still runs kvlab.kernels.reference.
+row_attention (token-time reads of a residual window), not this kernel.
+
+    out = run_paged_attention(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale)
+    enabled()  # False with KVLAB_CPU_KERNELS=0; the library is built on first use (kvlab.kernels.cpu.build)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kvlab.kernels.attention_plan import AttentionPlan, memo, plan_paged_attention
+from kvlab.kernels.cpu.build import load_library
+from kvlab.kernels.reference import paged_attention as _ref
+
+CHUNK_KEYS = 256  # keys per work unit (Flash-Decoding split), fixed so a row's reduction order is its own
+POOL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+PACKED_KINDS = {0: 10, 1: 11, 2: 12, 3: 13}  # PageCodec.layout() kind -> the kernel's kind
+RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Side(ctypes.Structure):
+    """struct Side of decode_attention.cpp: how to read one side (K or V) of the pool."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("res_dtype", ctypes.c_int32),
+        ("data", ctypes.c_void_p), ("scale16", ctypes.c_void_p), ("zero16", ctypes.c_void_p),
+        ("head_scale", ctypes.c_void_p), ("lut", ctypes.c_void_p),
+        ("s_block", ctypes.c_int64), ("s_pos", ctypes.c_int64), ("s_head", ctypes.c_int64),
+        ("res", ctypes.c_void_p), ("row_of", ctypes.c_void_p), ("lease", ctypes.c_void_p),
+        ("res_k", ctypes.c_int64), ("res_chunk", ctypes.c_int64),
+    ]
+
+
+def enabled() -> bool:
+    """The kernel runs unless KVLAB_CPU_KERNELS=0 (read on every call)."""
+    return os.environ.get("KVLAB_CPU_KERNELS", "1") != "0"
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    lib = load_library()
+    if lib is None:
+        return None
+    fn = lib.kvlab_decode_attention
+    i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [p, i64, i64, p, i64, i64, ctypes.POINTER(_Side), ctypes.POINTER(_Side), p, i64, p, p, p,
+                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    return enabled() and _kernel() is not None
+
+
+@lru_cache(maxsize=None)
+def _fp8_lut(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32: the value of every fp8 code of `dtype` (torch's own conversion)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+@dataclass
+class _DecodeRows:
+    """The plan's decode rows as the kernel reads them, and its extend rows as a plan of their own."""
+
+    tokens: torch.Tensor  # [n] int32 packed query token of each decode row
+    seq_lens: torch.Tensor  # [n] int32
+    first_key: torch.Tensor  # [n] int32 first visible cache index (sliding window)
+    tables: torch.Tensor  # [n, width] int32 (-1: released / padding)
+    all_decode: bool
+    extend_plan: AttentionPlan | None
+    extend_tokens: torch.Tensor | None  # [m] int64 packed tokens of the extend rows
+
+
+def _decode_rows(plan: AttentionPlan) -> _DecodeRows:
+    return memo(plan, "cpu.decode", _build_decode_rows)
+
+
+def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
+    q_lens, cu, lens, w = plan.q_lens, plan.cu_seqlens_q, plan.seq_lens, plan.sliding_window
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    extend = [b for b, n in enumerate(q_lens) if n > 1]
+    tables = plan.block_tables
+    if isinstance(tables, torch.Tensor):
+        tables = tables.to(device="cpu", dtype=torch.int32).reshape(plan.batch_size, -1)[decode]
+    else:
+        width = max((len(tables[b]) for b in decode), default=0)
+        tables = torch.tensor([list(tables[b]) + [-1] * (width - len(tables[b])) for b in decode], dtype=torch.int32)
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    extend_plan = extend_tokens = None
+    if extend:
+        extend_tokens = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in extend])
+        ext_cu = [0]
+        for b in extend:
+            ext_cu.append(ext_cu[-1] + q_lens[b])
+        ext_tables = plan.block_tables
+        ext_tables = ext_tables[extend] if isinstance(ext_tables, torch.Tensor) else [ext_tables[b] for b in extend]
+        extend_plan = plan_paged_attention(ext_cu, [lens[b] for b in extend], ext_tables, plan.block_size, w,
+                                           plan.device, null_block=plan.null_block)
+    return _DecodeRows(
+        tokens=as_i32([cu[b] for b in decode]),
+        seq_lens=as_i32([lens[b] for b in decode]),
+        first_key=as_i32([0 if w is None else max(0, lens[b] - w) for b in decode]),
+        tables=tables.contiguous(),
+        all_decode=not extend,
+        extend_plan=extend_plan,
+        extend_tokens=extend_tokens,
+    )
+
+
+def _pool_side(cache: torch.Tensor, scale: torch.Tensor | None) -> tuple[_Side, list] | None:
+    """An element-wise pool [NB, bs, Hkv, D] (fp32 / bf16 / fp16, or fp8 with an optional per-head scale)."""
+    if cache.stride(-1) != 1:
+        return None
+    keep = [cache]
+    side = _Side(data=cache.data_ptr(), s_block=cache.stride(0), s_pos=cache.stride(1), s_head=cache.stride(2))
+    if cache.dtype in POOL_KINDS and scale is None:
+        side.kind = POOL_KINDS[cache.dtype]
+    elif cache.dtype in FP8:
+        lut = _fp8_lut(cache.dtype)
+        side.kind, side.lut = 3, lut.data_ptr()
+        keep.append(lut)
+        if scale is not None:
+            if scale.dtype != torch.float32 or not scale.is_contiguous():
+                return None
+            side.head_scale = scale.data_ptr()
+            keep.append(scale)
+    else:
+        return None
+    return side, keep
+
+
+def _packed_side(store) -> tuple[_Side, list] | None:
+    """A packed format's PageStore (kvlab.cache.quant.page_store): codes, fp16 scales / zeros, residual rows."""
+    kind, bits, group = store.codec.layout()
+    parts = store.parts
+    if kind not in PACKED_KINDS or any(not t.is_contiguous() for t in parts.values()):
+        return None
+    keep = list(parts.values())
+    side = _Side(kind=PACKED_KINDS[kind], bits=bits, group=group, data=parts["data"].data_ptr())
+    for name, field in (("scale", "scale16"), ("zero", "zero16")):
+        if name in parts:
+            if parts[name].dtype != torch.float16:
+                return None
+            setattr(side, field, parts[name].data_ptr())
+    if kind == 3:
+        lut = _fp8_lut(parts["data"].dtype)
+        side.lut = lut.data_ptr()
+        keep.append(lut)
+    if store.residual is not None:
+        area = store.area
+        if store.residual.dtype not in RES_DTYPES or area.row_of.dtype != torch.int64 \
+                or area.lease.dtype != torch.int64 or not area.lease.is_contiguous():
+            return None
+        side.res, side.res_dtype = store.residual.data_ptr(), RES_DTYPES[store.residual.dtype]
+        side.row_of, side.lease = area.row_of.data_ptr(), area.lease.data_ptr()
+        side.res_k, side.res_chunk = area.k, store.chunk
+        keep += [store.residual, area.row_of, area.lease]
+    return side, keep
+
+
+_sides: dict[int, tuple[weakref.ref, dict]] = {}  # id(pool tensor or PageStore) -> (its weakref, {scale key: side})
+
+
+def _side(cache, scale):
+    """How the kernel reads `cache` (None: it cannot), built once per pool and scale: the engine's pools are
+    long-lived objects, and their parts, residual storage, row_of and lease tensors change only in place."""
+    entry = _sides.get(id(cache))
+    if entry is None or entry[0]() is not cache:
+        entry = _sides[id(cache)] = (weakref.ref(cache, lambda _, i=id(cache), d=_sides: d.pop(i, None)), {})
+    per_cache = entry[1]
+    key = (None if scale is None else (scale.data_ptr(), scale.dtype),
+           cache.data_ptr() if isinstance(cache, torch.Tensor) else None)
+    if key not in per_cache:
+        if isinstance(cache, torch.Tensor):
+            per_cache[key] = _pool_side(cache, scale)
+        else:
+            per_cache[key] = None if scale is not None else _packed_side(cache)
+    return per_cache[key]
+
+
+def _check_inputs(q, k_cache, plan, out) -> None:
+    _, block_size, hkv, d = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv:
+        raise ValueError(f"q must be [T, Hq, {d}] with Hq a multiple of the pool's {hkv} KV heads, got {tuple(q.shape)}")
+    if q.dtype not in POOL_KINDS or q.device.type != "cpu":
+        raise ValueError(f"q must be a float32 / bfloat16 / float16 CPU tensor, got {q.dtype} on {q.device}")
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but the plan was made for {plan.num_tokens}")
+    if plan.block_size != block_size:
+        raise ValueError(f"plan block_size {plan.block_size} != cache block_size {block_size}")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1 or out.device.type != "cpu"):
+        raise ValueError(f"out must be {tuple(q.shape)} on the CPU, contiguous in head_dim; got {tuple(out.shape)}")
+
+
+def run_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] packed queries
+    k_cache,  # [num_blocks, block_size, Hkv, D] pool tensor, or a packed PageStore
+    v_cache,
+    plan: AttentionPlan,
+    scale: float,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32 (fp8 pools)
+    v_scale: torch.Tensor | None = None,
+    *,
+    return_stats: bool = False,
+    stats_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    stats_out: torch.Tensor | None = None,  # [B, Hkv, max(seq_lens)] float32
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    reference = lambda: _ref.run_paged_attention(  # noqa: E731
+        q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
+        return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)
+    kernel = _kernel() if enabled() else None
+    if kernel is None or plan.tree_mask is not None or q.device.type != "cpu" or 1 not in plan.q_lens:
+        return reference()
+    k_side, v_side = _side(k_cache, k_scale), _side(v_cache, v_scale)
+    if k_side is None or v_side is None:
+        return reference()
+    _check_inputs(q, k_cache, plan, out)
+    rows = _decode_rows(plan)
+    out = q.new_empty(q.shape) if out is None else out
+    direct = out.dtype == torch.float32
+    target = out if direct else torch.empty(q.shape, dtype=torch.float32)  # [T, Hq, D]
+    q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float().contiguous()
+    _, bs, hkv, d = k_cache.shape
+    status = kernel(
+        q32.data_ptr(), q32.stride(0), q32.stride(1), target.data_ptr(), target.stride(0), target.stride(1),
+        k_side[0], v_side[0], rows.tables.data_ptr(), rows.tables.stride(0),
+        rows.tokens.data_ptr(), rows.seq_lens.data_ptr(), rows.first_key.data_ptr(),
+        rows.tokens.shape[0], hkv, q.shape[1] // hkv, d, bs, float(scale), float(softcap or 0.0), CHUNK_KEYS,
+        torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"kvlab_decode_attention failed with status {status}")
+    if not direct:
+        if rows.all_decode:
+            out.copy_(target)
+        else:
+            index = rows.tokens.long()
+            out.index_copy_(0, index, target.index_select(0, index).to(out.dtype))
+    if rows.extend_plan is not None:
+        o = _ref.run_paged_attention(q.index_select(0, rows.extend_tokens), k_cache, v_cache, rows.extend_plan,
+                                     scale, softcap, k_scale, v_scale)
+        out.index_copy_(0, rows.extend_tokens, o)
+    if not return_stats:
+        return out
+    from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
+
+    return out, attention_stats_from_plan(q, k_cache, plan, scale, softcap, k_scale, stats_window, out=stats_out)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache,
+    v_cache,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64 (-1 = released / padding)
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    tree_mask: torch.Tensor | None = None,
+    return_stats: bool = False,
+    stats_window: int | None = None,
+    out: torch.Tensor | None = None,
+    stats_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plan and run in one call; same signature as kvlab.kernels.reference.paged_attention_ref."""
+    plan = plan_paged_attention(cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.tolist(), k_cache.shape[1],
+                                sliding_window, q.device, tree_mask=tree_mask)
+    return run_paged_attention(q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
+                               return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)

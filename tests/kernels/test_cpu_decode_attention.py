@@ -1,0 +1,233 @@
+"""The native CPU decode attention (kvlab.kernels.cpu) against the torch reference.
+
+Pairwise grid: head ratios 1/2/3/4, head_dim 64/128, block sizes 1/4/16/32, every element-wise pool dtype
+(fp32, bf16, fp16, fp8 with per-head scales), sliding window, soft-capping, lengths 1, block boundary +-1 and
+past the kernel's key chunk (its split-K path); packed int8 / int4 / int2 / fp8-per-token pages with residual
+rows of their own and leased ones; mixed decode + extend steps; the dispatch and the fallback; the engine.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.cache.block_manager import LayerGroup
+from kvlab.cache.kv_cache import KVCache
+from kvlab.engine.attention import leaving_window
+from kvlab.kernels import ops
+from kvlab.kernels.attention_plan import plan_paged_attention
+from kvlab.kernels.cpu import build
+from kvlab.kernels.cpu import decode_attention as cpu
+from kvlab.kernels.reference import paged_attention as ref_module
+from kvlab.kernels.reference.paged_attention import paged_attention_ref
+from kvlab.kernels.testing import CACHE_DTYPES, attention_tolerance, make_paged_batch
+from kvlab.models import load_model
+from kvlab.registry import build as build_plugin
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: the CPU kernels fall back")
+
+CASES = [
+    # id, group, head_dim, block_size, cache, window, softcap, q dtype
+    ("r1-d64-b16-fp32", 1, 64, 16, "fp32", None, None, torch.float32),
+    ("r3-d64-b1-bf16-win", 3, 64, 1, "bf16", 5, None, torch.float32),
+    ("r4-d128-b32-fp16-cap", 4, 128, 32, "fp16", None, 20.0, torch.float32),
+    ("r2-d64-b16-e4m3-win", 2, 64, 16, "fp8_e4m3", 17, None, torch.float32),
+    ("r3-d128-b4-e5m2-cap", 3, 128, 4, "fp8_e5m2", None, 5.0, torch.float32),
+    ("r3-d64-b16-fp32-win-cap", 3, 64, 16, "fp32", 300, 30.0, torch.float32),
+    ("r4-d64-b16-bf16-bf16q", 4, 64, 16, "bf16", 9, None, torch.bfloat16),
+    ("r1-d128-b32-fp32-fp16q", 1, 128, 32, "fp32", None, None, torch.float16),
+]
+
+
+def decode_lengths(bs: int) -> list[int]:
+    """1, block boundary +-1, and longer than the kernel's key chunk (several partials to reduce)."""
+    return [1, max(bs - 1, 1), bs, bs + 1, 2 * bs + 1, cpu.CHUNK_KEYS * 2 + 3]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decode_matches_reference(case):
+    _, g, d, bs, cache, window, softcap, q_dtype = case
+    seq_lens = decode_lengths(bs)
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, 2, g, d, bs, CACHE_DTYPES[cache], q_dtype,
+                             sliding_window=window)
+    poisoned = torch.full_like(batch.q, float("nan"))
+    got = cpu.paged_attention(*batch.args(), window, softcap, batch.k_scale, batch.v_scale, out=poisoned)
+    want = paged_attention_ref(*batch.args(), window, softcap, batch.k_scale, batch.v_scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **attention_tolerance(q_dtype))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_step_runs_decode_rows_in_the_kernel_and_extend_rows_on_the_reference(window, monkeypatch):
+    """Decode rows beside prefill / verification chunks: every token's output equals the reference's."""
+    bs = 4
+    q_lens, seq_lens = [1, bs + 1, 1, 3], [2 * bs + 1, 2 * bs + 1, 3 * bs, bs + 3]
+    batch = make_paged_batch(q_lens, seq_lens, 2, 3, 64, bs, torch.bfloat16, sliding_window=window)
+    want = paged_attention_ref(*batch.args(), window, None, return_stats=True)
+    calls = []
+    reference = ref_module.run_paged_attention
+    monkeypatch.setattr(ref_module, "run_paged_attention", lambda q, *a, **k: calls.append(q.shape[0]) or
+                        reference(q, *a, **k))
+    got = cpu.paged_attention(*batch.args(), window, None, out=torch.full_like(batch.q, float("nan")),
+                              return_stats=True)
+    assert calls == [bs + 1 + 3]  # the reference saw the extend rows' tokens only
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("cache,softcap", [("fp32", None), ("bf16", None), ("fp32", 10.0)])
+def test_released_pages_are_never_read(cache, softcap):
+    """Pages an eviction policy released (-1 inside the table, not only before a window) are skipped."""
+    bs, lens = 4, [30, 9, cpu.CHUNK_KEYS + 40]
+    batch = make_paged_batch([1] * len(lens), lens, 2, 2, 64, bs, CACHE_DTYPES[cache])
+    batch.block_tables[0, 2] = batch.block_tables[0, 5] = batch.block_tables[1, 0] = -1
+    batch.block_tables[2, 1:cpu.CHUNK_KEYS // bs + 3] = -1  # a whole key chunk released
+    got = cpu.paged_attention(*batch.args(), None, softcap)
+    want = paged_attention_ref(*batch.args(), None, softcap)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+
+
+def test_a_row_reads_the_same_whatever_else_the_batch_holds():
+    """Key chunks sit at fixed cache indices: a row alone and the same row in a batch agree to the bit."""
+    bs, lens = 16, [cpu.CHUNK_KEYS * 3 + 5, 40, 700, 1, 33]
+    batch = make_paged_batch([1] * len(lens), lens, 2, 3, 64, bs)
+    together = cpu.paged_attention(*batch.args())
+    for b in range(len(lens)):
+        alone = cpu.paged_attention(batch.q[b : b + 1], batch.k_cache, batch.v_cache, batch.block_tables[b : b + 1],
+                                    torch.tensor([0, 1]), batch.seq_lens[b : b + 1], batch.scale)
+        assert torch.equal(alone[0], together[b]), b
+
+
+HKV, D, BS = 2, 64, 32
+
+
+class ListLessor:
+    """Leases pool pages from a fixed list (never a table's), out of order (the engine's: kvlab.cache.quant.lease)."""
+
+    def __init__(self, pages):
+        self.free, self.leases, self._n = list(pages), {}, 0
+
+    def lease(self, n):
+        if len(self.free) < n:
+            return None
+        self._n += 1
+        self.leases[-self._n] = [self.free.pop(0) for _ in range(n)][::-1]
+        return -self._n, self.leases[-self._n]
+
+    def give_back(self, key):
+        self.free.extend(self.leases.pop(key))
+
+    def held(self):
+        return lambda page: page <= 6
+
+
+def filled_cache(name, args, lessor=None):
+    """Three sequences written into a packed pool: sealed pages, open pages (residual rows) and a short one."""
+    torch.manual_seed(4)
+    quant = build_plugin("quant", name, **args)
+    cache = KVCache([LayerGroup((0,))], 8 if lessor is None else 100, BS, HKV, D, quant, torch.float32, "cpu",
+                    lessor=lessor)
+    lens, tables = [50, 70, 3], [[1, 2], [3, 4, 5], [6]]
+    for table, n in zip(tables, lens):
+        index = torch.arange(n)
+        slots = torch.tensor(table)[index // BS] * BS + index % BS
+        seal = leaving_window([table], [n], [n], getattr(quant, "residual", None) or 0, BS)
+        x = torch.randn(n, HKV, D)
+        cache.begin_step([slots], None if cache.residual is None else [seal])
+        cache.store(0, x * 2, x.flip(-1), slots)
+    return cache, torch.tensor([[1, 2, -1], [3, 4, 5], [6, -1, -1]]), torch.tensor(lens)
+
+
+PACKED = [
+    ("int8", {}, False),
+    ("int4", {"residual": BS}, False),
+    ("int4", {"residual": BS, "residual_dtype": "bfloat16"}, True),
+    ("int2", {"residual": BS, "group_size": 8}, True),
+    ("fp8_e4m3", {}, False),
+]
+
+
+@pytest.mark.parametrize("name,args,leased", PACKED, ids=[f"{n}-{'leased' if l else 'own'}-{i}" for i, (n, a, l)
+                                                          in enumerate(PACKED)])
+def test_packed_pages_dequantised_in_the_kernel(name, args, leased):
+    cache, tables, lens = filled_cache(name, args, ListLessor(range(10, 100)) if leased else None)
+    assert cache.residual is None or cache.area.open_pages()  # some pages are read from residual rows
+    q = torch.randn(3, 4, D)
+    cu = torch.tensor([0, 1, 2, 3])
+    got = cpu.paged_attention(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=60)
+    want = paged_attention_ref(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=60)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+
+
+def test_ops_dispatch_runs_the_kernel_unless_turned_off(monkeypatch):
+    """`auto` on CPU tensors runs the kernel; KVLAB_CPU_KERNELS=0 and the `torch` backend run the reference."""
+    batch = make_paged_batch([1, 1], [5, 40], 2, 3, 64, 16)
+    plan = plan_paged_attention(batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist(), batch.block_tables.tolist(),
+                                16)
+    kernel = cpu._kernel()
+    calls = []
+    monkeypatch.setattr(cpu, "_kernel", lambda: (lambda *a: calls.append(1) or kernel(*a)))
+    with ops.backend("auto"):
+        ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+        assert calls == [1]
+        monkeypatch.setenv("KVLAB_CPU_KERNELS", "0")
+        ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+        assert calls == [1]
+        monkeypatch.delenv("KVLAB_CPU_KERNELS")
+    with ops.backend("torch"):
+        ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+    assert calls == [1]
+
+
+def test_no_compiler_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu, "_kernel", cpu._kernel.__wrapped__)
+    build.load_library.cache_clear()
+    try:
+        batch = make_paged_batch([1], [9], 2, 1, 64, 4)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = build.load_library()
+            assert got is None
+            got = cpu.paged_attention(*batch.args())
+        assert len([w for w in seen if "no C++ compiler" in str(w.message)]) == 1
+        torch.testing.assert_close(got, paged_attention_ref(*batch.args()))
+    finally:
+        build.load_library.cache_clear()
+
+
+def test_library_is_keyed_by_its_source(monkeypatch, tmp_path):
+    """An edited source builds (and loads) a library of its own in the cache folder."""
+    monkeypatch.setenv("KVLAB_CPU_KERNEL_CACHE", str(tmp_path))
+    cxx = build.compiler()
+    first = build.library_path(cxx)
+    source = tmp_path / "decode_attention.cpp"
+    source.write_text(build.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(build, "SOURCE", source)
+    second = build.library_path(cxx)
+    assert first.parent == second.parent == tmp_path and first != second
+    build.build(cxx, second)
+    assert second.is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]
+
+
+@pytest.mark.parametrize("name,quant,args", [("random:llama-tiny", "auto", {}), ("random:gemma3-tiny", "bf16", {}),
+                                             ("random:llama-tiny", "int4", {"group_size": 8, "residual": 8})])
+def test_engine_generates_what_the_reference_backend_does(name, quant, args, monkeypatch):
+    """Prefill chunks, mixed steps and decode on the kernel against kernel_backend='torch'."""
+    kernel, calls = cpu._kernel(), []
+    monkeypatch.setattr(cpu, "_kernel", lambda: (lambda *a: calls.append(1) or kernel(*a)))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (37, 9, 1)]
+    outputs = {}
+    previous = ops.get_backend()
+    try:
+        for backend in ("torch", "auto"):
+            llm = LLM(name, loaded=load_model(name), block_size=8, kv_cache_memory="2MiB", quant=quant,
+                      quant_args=args, kernel_backend=backend, max_num_batched_tokens=16)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            outputs[backend] = [o.token_ids for o in outs]
+            assert bool(calls) == (backend == "auto"), backend  # the kernel ran on `auto` only
+    finally:
+        ops.set_backend(previous)
+    assert outputs["auto"] == outputs["torch"]
