@@ -96,6 +96,9 @@ class EngineConfig:
     # its new tokens; outputs then depend on the hit (kvlab/cache/kept_turns.py); off by default
     reuse_compressed: bool = False
     reuse_compressed_max_turns: int = 64  # most finished turns kept (the least recently used goes first, or under pool pressure)
+    # the linear layers' weight layout (kvlab/engine/linear_layout.py): auto fuses the projections that read one input
+    # (q/k/v, gate/up) into one matrix product each; none keeps the model's own modules. Off by default
+    linear_layout: Literal["none", "auto"] = "none"
 
     def __post_init__(self) -> None:
         for name in PLUGIN_ARGS:
