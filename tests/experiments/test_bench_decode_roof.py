@@ -1,0 +1,43 @@
+"""The decode-roof benchmark (experiments/bench_decode_roof.py) runs kvlab and HF `generate` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from exp_helpers import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+
+
+def test_every_cell_gets_bytes_per_step_over_its_time_as_a_fraction_of_the_roof(tmp_path):
+    from bench_decode_roof import main, weight_bytes
+    from kvlab.models import load_model
+
+    out = tmp_path / "roof"
+    roof, rows = main(["--model", "random:llama-tiny", "--batches", "1", "2", "--contexts", "16", "40",
+                       "--dtypes", "float32", "--quants", "auto", "--steps", "2", "--repeats", "2", "--warmup", "1",
+                       "--roof-mib", "8", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["meta"]["roof"] == roof
+    weights = weight_bytes(load_model("random:llama-tiny").model)
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
+    cells = {(r["system"], r["layout"], r["batch"], r["context"]): r for r in rows}
+    assert set(cells) == {(s, l, b, c) for s, l in [("kvlab", "none"), ("kvlab", "auto"), ("hf-generate", "none")]
+                          for b in (1, 2) for c in (16, 40)}
+    for (system, layout, batch, context), r in cells.items():
+        assert len(r["steps_s"]) == 2 and r["step_s"] == pytest.approx(statistics.median(r["steps_s"]))
+        # mean cached tokens a timed step reads: context + 1 + warm-up + its index among the decode steps; kvlab's
+        # blocks of 2 steps alternate layouts (none: blocks 0 and 2, auto: 1 and 3), HF's are blocks 0 and 1
+        first = {"none": [0, 4], "auto": [2, 6]}[layout] if system == "kvlab" else [0, 2]
+        cached = context + 1 + 1 + statistics.mean(first) + 0.5
+        assert r["kv_bytes"] == pytest.approx(batch * cached * per_token)
+        assert r["weight_mb"] == pytest.approx(weights / 1e6)
+        assert r["roof_fraction"] == pytest.approx((weights + r["kv_bytes"]) / r["step_s"] / (roof["sum_gb_s"] * 1e9))
+        assert r["tok_s"] == pytest.approx(batch / r["step_s"])
+        assert r["vs_hf"] == pytest.approx(cells["hf-generate", "none", batch, context]["step_s"] / r["step_s"])
+    md = out.with_suffix(".md").read_text()
+    assert f"**{roof['sum_gb_s']:.1f} GB/s**" in md and md.count("| kvlab |") == 8 and md.count("| hf-generate |") == 4
