@@ -3,9 +3,10 @@ what this machine streams, for kvlab and for Hugging Face `generate`, in one run
 
 A decode step must read every weight once (the model's unique parameters: a tied embedding / lm_head counts
 once) and every cached K/V byte of the batch (at the cache format's size: int4 codes and scales, not the
-float they decode to). bytes/s = (weights + K/V) / step time; the roof is measured first, in the same process
-and thread count: `torch.sum` over a large tensor of random float32 values (random, because zero or constant
-pages read faster than memory delivers them), median of --repeats. A torch matrix-vector product over a
+float they decode to). bytes/s = (weights + K/V) / step time; the roof is measured before every cell (the
+load of other jobs drifts), in the same process and thread count: `torch.sum` over a large tensor of random
+float32 values (random, because zero or constant pages read faster than memory delivers them), median of
+--repeats. A torch matrix-vector product over a
 matrix of the same size is quoted beside it (what a linear layer at batch 1 can reach).
 
 Per cell (dtype x cache format x batch x context) one prefill, then --warmup + --repeats x --steps decode
@@ -35,7 +36,8 @@ from bench_throughput import REPO, log, metadata, provenance, save, table
 
 COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"), ("batch", "batch"),
            ("context", "context"), ("step_ms", "step ms (median)"), ("tok_s", "tok/s"),
-           ("weight_mb", "weights MB"), ("kv_mb", "K/V MB"), ("gb_s", "GB/s"), ("roof_fraction", "of roof"),
+           ("weight_mb", "weights MB"), ("kv_mb", "K/V MB"), ("gb_s", "GB/s"), ("roof_gb_s", "roof GB/s"),
+           ("roof_fraction", "of roof"),
            ("kv_gb_s", "K/V GB/s"), ("kv_roof_fraction", "K/V of roof"), ("vs_hf", "vs HF (same cache)")]
 
 
@@ -115,7 +117,8 @@ def hf_cell(model, prompts, args, quantized: bool) -> list[tuple[str, float, flo
 
     stamp, new = Stamp(), 1 + args.warmup + args.repeats * args.steps
     ids = torch.tensor(prompts, dtype=torch.int64)  # [b, c], equal lengths: no padding
-    extra = {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 4}} if quantized else {}
+    quanto = {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 4}}
+    extra = quanto if quantized else {}
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]), **extra)
@@ -125,7 +128,8 @@ def hf_cell(model, prompts, args, quantized: bool) -> list[tuple[str, float, flo
              c + 1 + args.warmup + r * args.steps + (args.steps - 1) / 2) for r in range(args.repeats)]
 
 
-def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token, roof) -> list[dict]:
+def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token, roof: float) -> list[dict]:
+    """One row per layout in `blocks`; `roof`: bytes/s streamed just before the cell."""
     rows = []
     for layout in dict.fromkeys(b[0] for b in blocks):
         mine = [b for b in blocks if b[0] == layout]
@@ -135,12 +139,13 @@ def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token,
         rows.append({"system": system, "dtype": dtype, "quant": quant, "layout": layout, "batch": batch,
                      "context": context, "step_ms": 1000 * step, "tok_s": batch / step, "weight_mb": weights / 1e6,
                      "kv_mb": kv / 1e6, "gb_s": (weights + kv) / step / 1e9,
-                     "roof_fraction": (weights + kv) / step / roof, "steps_s": [t for _, t, _ in mine],
+                     "roof_gb_s": roof / 1e9, "roof_fraction": (weights + kv) / step / roof,
+                     "steps_s": [t for _, t, _ in mine],
                      "kv_bytes": kv, "step_s": step})
     return rows
 
 
-def add_derived(rows: list[dict], roof: float) -> None:
+def add_derived(rows: list[dict]) -> None:
     """K/V GB/s against the same system/dtype/cache/layout/batch at the shortest context; kvlab over HF."""
     key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r["batch"])  # noqa: E731
     for r in rows:
@@ -148,21 +153,27 @@ def add_derived(rows: list[dict], roof: float) -> None:
         dt = r["step_s"] - base["step_s"]
         if r is not base and dt > 0:
             r["kv_gb_s"] = (r["kv_bytes"] - base["kv_bytes"]) / dt / 1e9
-            r["kv_roof_fraction"] = r["kv_gb_s"] * 1e9 / roof
+            r["kv_roof_fraction"] = r["kv_gb_s"] / r["roof_gb_s"]
         hf = [o for o in rows if o["system"] == "hf-generate" and (o["dtype"], o["quant"], o["batch"], o["context"])
               == (r["dtype"], r["quant"], r["batch"], r["context"])]
         if hf:
             r["vs_hf"] = hf[0]["step_s"] / r["step_s"]
 
 
-def run(args) -> tuple[dict, list[dict]]:
+def run(args) -> tuple[list[dict], list[dict]]:
     import torch
 
     from kvlab import LLM
     from kvlab.models import load_model
 
-    roof = measure_roof(args.roof_mib, args.repeats)
-    log(f"roof: sum {roof['sum_gb_s']:.1f} GB/s, matvec {roof['matvec_gb_s']:.1f} GB/s")
+    roofs = []
+
+    def roof() -> float:
+        """The streaming roof now (measured before every cell: other jobs' load drifts during a run)."""
+        roofs.append(measure_roof(args.roof_mib, args.repeats))
+        log(f"roof: sum {roofs[-1]['sum_gb_s']:.1f} GB/s, matvec {roofs[-1]['matvec_gb_s']:.1f} GB/s")
+        return roofs[-1]["sum_gb_s"] * 1e9
+
     g = torch.Generator().manual_seed(args.seed)
     cells = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_prompt_tokens]
     blocks = args.repeats * len(args.layouts)
@@ -182,18 +193,19 @@ def run(args) -> tuple[dict, list[dict]]:
             for b, c in cells:
                 prompts = [torch.randint(3, vocab, (c,), generator=g).tolist() for _ in range(b)]
                 log(f"{dtype_name} {quant} batch {b} context {c}: kvlab")
+                now = roof()
                 rows += rows_of("kvlab", dtype_name, quant, b, c, kvlab_cell(llm, prompts, blocks, args, args.layouts),
-                                weights, kv_token, roof["sum_gb_s"] * 1e9)
+                                weights, kv_token, now)
                 quantized = quant != "auto"
                 if hf is None or (quantized and (quant != "int4" or not quanto_installed())):
                     continue
                 log(f"{dtype_name} {quant} batch {b} context {c}: hf-generate")
+                now = roof()
                 rows += rows_of("hf-generate", dtype_name, quant, b, c, hf_cell(hf, prompts, args, quantized),
-                                weights, hf_kv_bytes_per_token(hf.config, dtype, 4 if quantized else None),
-                                roof["sum_gb_s"] * 1e9)
+                                weights, hf_kv_bytes_per_token(hf.config, dtype, 4 if quantized else None), now)
             del llm
-    add_derived(rows, roof["sum_gb_s"] * 1e9)
-    return roof, rows
+    add_derived(rows)
+    return roofs, rows
 
 
 def quanto_installed() -> bool:
@@ -202,20 +214,22 @@ def quanto_installed() -> bool:
     return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
 
 
-def report(roof: dict, rows: list[dict], meta: dict, args) -> str:
+def report(roofs: list[dict], rows: list[dict], meta: dict, args) -> str:
+    sums, mvs = [r["sum_gb_s"] for r in roofs], [r["matvec_gb_s"] for r in roofs]
     return "\n".join([
         f"# Decode at the memory roof ({args.model})", "",
         *provenance(meta, "the machine is shared with other jobs: timings are indicative only"),
-        f"Roof, this run, {args.threads} torch thread(s): streaming read (torch.sum over {args.roof_mib} MiB of random "
-        f"float32) **{roof['sum_gb_s']:.1f} GB/s**; float32 matrix-vector product over as many bytes "
-        f"{roof['matvec_gb_s']:.1f} GB/s.", "",
+        f"Roof, this run, {args.threads} torch thread(s), measured before every cell (each row uses its own): "
+        f"streaming read (torch.sum over {args.roof_mib} MiB of random float32) median **{statistics.median(sums):.1f} "
+        f"GB/s** (range {min(sums):.1f}-{max(sums):.1f}); float32 matrix-vector product over as many bytes median "
+        f"{statistics.median(mvs):.1f} GB/s (range {min(mvs):.1f}-{max(mvs):.1f}).", "",
         f"Per cell: one prefill of random prompts, {args.warmup} warm-up steps, then {args.repeats} x {args.steps} "
         f"timed decode steps per kvlab layout ({', '.join(args.layouts)}; blocks interleaved) and for Hugging Face "
         "`generate` (its default sdpa attention and dynamic cache; int4: its quantised cache, quanto, 4 bits). "
         "Bytes per step = unique weights + the batch's cached K/V at the format's size (mean context over the "
-        "block); 'of roof' = (bytes / step time) / streaming roof. 'K/V GB/s': extra K/V bytes over extra time "
-        f"against the row's shortest context. Block size {args.block_size}; cells with batch x context > "
-        f"{args.max_prompt_tokens} skipped (prefill time).", "",
+        "block); 'of roof' = (bytes / step time) / the streaming roof measured just before the cell. 'K/V GB/s': "
+        f"extra K/V bytes over extra time against the row's shortest context. Block size {args.block_size}; cells "
+        f"with batch x context > {args.max_prompt_tokens} skipped (prefill time).", "",
         table(rows, COLUMNS), ""])
 
 
@@ -241,15 +255,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> tuple[dict, list[dict]]:
+def main(argv=None) -> tuple[list[dict], list[dict]]:
     import torch
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)  # before the metadata, which quotes it
     meta = metadata(args)
-    roof, rows = run(args)
-    save(args.out, report(roof, rows, meta, args), {**meta, "roof": roof}, rows)
-    return roof, rows
+    roofs, rows = run(args)
+    save(args.out, report(roofs, rows, meta, args), {**meta, "roofs": roofs}, rows)
+    return roofs, rows
 
 
 if __name__ == "__main__":
