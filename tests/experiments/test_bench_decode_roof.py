@@ -43,3 +43,19 @@ def test_every_cell_gets_bytes_per_step_over_its_time_as_a_fraction_of_the_roof(
         assert r["vs_hf"] == pytest.approx(cells["hf-generate", "none", batch, context]["step_s"] / r["step_s"])
     md = out.with_suffix(".md").read_text()
     assert f"**{statistics.median(r['sum_gb_s'] for r in roofs):.1f} GB/s**" in md and md.count("| kvlab |") == 8 and md.count("| hf-generate |") == 4
+
+
+def test_the_linear_layout_benchmark_times_every_group_both_ways(tmp_path):
+    from bench_linear_layout import main
+
+    out = tmp_path / "lin"
+    rows = main(["--model", "random:llama-tiny", "--batches", "1", "3", "--dtypes", "float32", "--rounds", "3",
+                 "--calls", "2", "--out", str(out)])
+    assert [(r["group"], r["shape"], r["batch"]) for r in rows] == [
+        ("q/k/v", "128 x 64", 1), ("q/k/v", "128 x 64", 3), ("gate/up", "256 x 64", 1), ("gate/up", "256 x 64", 3)]
+    for r in rows:
+        assert len(r["rounds_s"]["fused"]) == 3 and r["fused_us"] == pytest.approx(
+            1e6 * statistics.median(r["rounds_s"]["fused"]))
+        assert r["speedup"] == pytest.approx(r["separate_us"] / r["fused_us"])
+        weight = int(r["shape"].split(" x ")[0]) * 64 * 4
+        assert r["fused_gb_s"] == pytest.approx(weight / r["fused_us"] / 1e3)
