@@ -104,6 +104,9 @@ class EngineConfig:
     offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale
     offload_placement: str = "lru"  # registered placement (kvlab.registry.PLACEMENTS): which tier a page goes to, which leaves
     offload_placement_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
+    # the linear layers' weight layout (kvlab/engine/linear_layout.py): auto fuses the projections that read one input
+    # (q/k/v, gate/up) into one matrix product each; none keeps the model's own modules. Off by default
+    linear_layout: Literal["none", "auto"] = "none"
 
     def __post_init__(self) -> None:
         for name in DICT_ARGS:
