@@ -78,6 +78,18 @@ def test_packed_pages_move_as_codes_and_scales(quant):
     assert stats["tier_restored"] > 0
 
 
+def test_a_compressing_policy_with_exact_prefix_hits_is_unchanged_by_tiers():
+    """snapkv with prefix_keep_shared=False (a hit's pages copied, compressed as without caching: exact). With the
+    default (shared pages kept whole) a request keeps what its hit protects, a declared deviation, so a tier that
+    turns recomputes into hits changes outputs as any extra hit does."""
+    engine = dict(policy="snapkv", policy_args={"compression_ratio": 0.5, "window_size": 4}, prefix_keep_shared=False,
+                  kv_cache_memory=48 * 1024)
+    want, _, _ = run(**engine)
+    got, stats, _ = run(offload="host", **engine)
+    assert got == want
+    assert stats["tier_restored"] > 0
+
+
 def test_a_sliding_window_model_restores_every_group():
     batches = (prompts_with_system(13, [7, 12, 17, 5]), prompts_with_system(13, [9, 14, 1, 3]))
     engine = dict(model="random:gemma3-tiny", batches=batches, max_tokens=16, kv_cache_memory=96 * 1024)
