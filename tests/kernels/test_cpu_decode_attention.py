@@ -37,6 +37,7 @@ CASES = [
     ("r3-d64-b16-fp32-win-cap", 3, 64, 16, "fp32", 300, 30.0, torch.float32),
     ("r4-d64-b16-bf16-bf16q", 4, 64, 16, "bf16", 9, None, torch.bfloat16),
     ("r1-d128-b32-fp32-fp16q", 1, 128, 32, "fp32", None, None, torch.float16),
+    ("r2-d40-b16-bf16-cap", 2, 40, 16, "bf16", None, 10.0, torch.float32),  # head_dim not a multiple of 16
 ]
 
 
@@ -231,3 +232,31 @@ def test_engine_generates_what_the_reference_backend_does(name, quant, args, mon
     finally:
         ops.set_backend(previous)
     assert outputs["auto"] == outputs["torch"]
+
+
+def test_a_build_without_avx512_or_f16c_matches_the_reference(monkeypatch, tmp_path):
+    """The portable paths (lane-tree dot, scalar exp / max / accumulation, fp16 by bits, unpacking by shifts)
+    that a machine without AVX-512 or F16C runs: built for baseline x86-64 and checked like the native build."""
+    native = [f for f in build.FLAGS if f.startswith("-march")]
+    monkeypatch.setattr(build, "FLAGS", tuple("-march=x86-64" if f in native else f for f in build.FLAGS))
+    monkeypatch.setenv("KVLAB_CPU_KERNEL_CACHE", str(tmp_path))
+    build.load_library.cache_clear()
+    cpu._kernel.cache_clear()
+    try:
+        assert cpu.available() and list(tmp_path.glob("*.so"))
+        for cache, g, d, bs, window, softcap in (("fp16", 3, 64, 16, 17, None), ("bf16", 2, 40, 4, None, 5.0),
+                                                  ("fp32", 1, 64, 1, None, None)):
+            seq_lens = decode_lengths(bs)
+            batch = make_paged_batch([1] * len(seq_lens), seq_lens, 2, g, d, bs, CACHE_DTYPES[cache],
+                                     sliding_window=window)
+            got = cpu.paged_attention(*batch.args(), window, softcap)
+            want = paged_attention_ref(*batch.args(), window, softcap)
+            torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+        cache, tables, lens = filled_cache("int4", {"residual": BS})
+        q, cu = torch.randn(3, 4, D), torch.tensor([0, 1, 2, 3])
+        torch.testing.assert_close(cpu.paged_attention(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125),
+                                   paged_attention_ref(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125),
+                                   **attention_tolerance(torch.float32))
+    finally:
+        build.load_library.cache_clear()
+        cpu._kernel.cache_clear()
