@@ -78,3 +78,12 @@ def test_batch_invariance_holds_with_fused_layers(quant):
                                   linear_layout="auto")
         common, differ = same_bits(base, other)
         assert common >= 30 and differ == 0 and other_tokens == tokens, (quant, name)
+
+
+@pytest.mark.model
+def test_smollm2_with_fused_layers_matches_hf(fresh_model, load_reference):
+    from tests.engine.test_engine_equivalence import PROMPTS
+
+    tok = load_reference("smollm2-135m").tokenizer
+    check(fresh_model, load_reference, "smollm2-135m", [tok(p)["input_ids"] for p in PROMPTS], 16, block_size=16,
+          kv_cache_memory="64MiB", max_num_batched_tokens=64, linear_layout="auto")
