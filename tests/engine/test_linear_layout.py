@@ -73,7 +73,7 @@ def test_batch_invariance_holds_with_fused_layers(quant):
     plain_tokens, plain = run({}, quant=quant, batch_invariant=True)
     common, differ = same_bits(base, plain)
     assert common >= 30 and differ == 0 and tokens == plain_tokens  # fused = separate, bit for bit
-    for name in ("solo", "chunked"):
+    for name in SCHEDULES:  # solo, chunked, the ngram and layerskip drafts (layerskip runs fused layers too)
         other_tokens, other = run(copy.deepcopy(SCHEDULES[name]), quant=quant, batch_invariant=True,
                                   linear_layout="auto")
         common, differ = same_bits(base, other)
