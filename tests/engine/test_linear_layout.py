@@ -73,8 +73,17 @@ def test_batch_invariance_holds_with_fused_layers(quant):
     plain_tokens, plain = run({}, quant=quant, batch_invariant=True)
     common, differ = same_bits(base, plain)
     assert common >= 30 and differ == 0 and tokens == plain_tokens  # fused = separate, bit for bit
-    for name in ("solo", "chunked"):
+    for name in SCHEDULES:  # solo, chunked, the ngram and layerskip drafts (layerskip runs fused layers too)
         other_tokens, other = run(copy.deepcopy(SCHEDULES[name]), quant=quant, batch_invariant=True,
                                   linear_layout="auto")
         common, differ = same_bits(base, other)
         assert common >= 30 and differ == 0 and other_tokens == tokens, (quant, name)
+
+
+@pytest.mark.model
+def test_smollm2_with_fused_layers_matches_hf(fresh_model, load_reference):
+    from tests.engine.test_engine_equivalence import PROMPTS
+
+    tok = load_reference("smollm2-135m").tokenizer
+    check(fresh_model, load_reference, "smollm2-135m", [tok(p)["input_ids"] for p in PROMPTS], 16, block_size=16,
+          kv_cache_memory="64MiB", max_num_batched_tokens=64, linear_layout="auto")
