@@ -178,7 +178,12 @@ def aggregate(args) -> str:
         "The prediction counts bytes only (weights once a pass, each sequence's KV per layer; the view's tokens for "
         "the self_compressed draft, nothing for ngram). Compute, Python overhead per pass and caches are not in it; "
         "on two shared CPU cores they can move a measured speed-up either way (a draft pass has the target's fixed "
-        "per-pass costs; attention over the whole context, which a view skips, is compute as well as bytes).", ""])
+        "per-pass costs; attention over the whole context, which a view skips, is compute as well as bytes).", "",
+        *([f"Outputs not identical (NO): bf16 rows. In bf16 a verification pass (k + 1 rows a sequence) rounds "
+           f"differently from a plain one-row pass, and a bf16 cache stores those last bits: the declared deviation "
+           f"'a rounding format under a changing schedule' (docs/design.md); batch_invariant=True makes it exact, "
+           f"at a cost, and was not run here. fp32 rows must read yes.", ""]
+          if any(r["identical"] != "yes" for r in rows) else [])])
     print(text)
     md, _ = write_report(args.out, text, {"meta": meta, "cells": data})
     log(f"wrote {md}")
