@@ -33,11 +33,6 @@ CASES = {
                                                      dict(enable_prefix_caching=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "reusing compressed turns with a packed format": (dict(reuse_compressed=True, quant="int8", **SNAP),
-                                                      dict(reuse_compressed=True, quant="fp16", **SNAP)),
-    "reusing compressed turns with sparse reading": (
-        dict(reuse_compressed=True, policy="rocketkv", policy_args={"budget": 64, "window_size": 8}),
-        dict(policy="rocketkv", policy_args={"budget": 64, "window_size": 8})),
     "a draft reading the target's cache with a packed format": (dict(draft="self_compressed", quant="int4"),
                                                                 dict(draft="self_compressed", quant="bf16")),
     "per-head budgets with accumulated attention statistics": (
