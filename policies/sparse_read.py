@@ -117,17 +117,20 @@ class PageSummaries:
         """[num_pages + 2, Hkv, D] channel-wise key minimum of every page."""
         return -self.bounds[slot][..., self.bounds[slot].shape[-1] // 2 :]
 
-    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+    def copy_pages(self, pairs: list[tuple[int, int]], whole: set[int] = frozenset()) -> None:
         """Copy-on-write copies page src -> dst: the summaries follow, and each copy is recomputed from the
         pool before the next step, over the tokens it holds (a partly matching prefix hit holds fewer
-        than its source: the source's summary still covers tokens after the match)."""
+        than its source: the source's summary still covers tokens after the match); a copy in `whole` holds
+        every token its source holds (a kept compressed turn's page, kvlab.cache.kept_turns) and keeps the
+        source's summary as it is, built from the keys as computed, as a request continuing would read it
+        (unless the source's own is still to be recomputed)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.bounds[0].device)
         dst = torch.tensor([d for _, d in pairs], device=src.device)
         for t in self.bounds:
             t.index_copy_(0, dst, t.index_select(0, src))
-        self.stale.update(d for _, d in pairs)
+        self.stale.update([d for s, d in pairs if d not in whole or s in self.stale])
 
     def moved(self, moves: list[tuple[int, int]]) -> None:
         """Compaction moved token slots src -> dst: their destination pages must be recomputed."""
@@ -191,8 +194,8 @@ class SparseRead:
             slot_mapping = slot_mapping.index_fill(0, tentative, -1)
         self.summaries.update(self.cache.slot_of[layer], key, slot_mapping)
 
-    def copied(self, pairs: list[tuple[int, int]]) -> None:
-        self.summaries.copy_pages(pairs)
+    def copied(self, pairs: list[tuple[int, int]], whole: set[int] = frozenset()) -> None:
+        self.summaries.copy_pages(pairs, whole)
 
     def moved(self, moves: list[tuple[int, int]]) -> None:
         self.summaries.moved(moves)

@@ -127,6 +127,7 @@ class BlockManager:
         # the rows this step's writes will lease, claimed as the step is scheduled, stay free
         self.rows: RowClaims | None = None
         self._claimed_rows = 0
+        self._whole_copies: set[int] = set()  # kvlab.cache.block_manager.BlockManager.take_whole_copies
 
     # -- tables ----------------------------------------------------------------
     def key(self, seq: Sequence | int, group: int) -> int:
@@ -255,9 +256,8 @@ class BlockManager:
         tokens, salt = tuple(seq.token_ids[:self._committed(seq)]), self._salt(seq)
         for turn_id, turn in list(turns.entries.items()):
             if turn.tokens == tokens and turn.salt == salt:
-                for key in turns.entries.pop(turn_id).keys:
-                    self.allocator.free(key)
-        turn_id, keys = turns.new_keys()
+                self.allocator.free_kept_tables(turns.entries.pop(turn_id).keys)
+        turn_id, keys = turns.new_keys(self.allocator.tables.__contains__)
         for g, key in enumerate(keys):
             self.allocator.fork(self.key(seq, g), key)
         turns.add(turn_id, KeptTurn(tokens, salt, keys, state))
@@ -267,11 +267,15 @@ class BlockManager:
 
     def _can_allocate_turn(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Room for `seq` on kept turn `hit.turn`: each group's kept slots and the new tokens in fresh pages
-        (compaction rewrites the shared ones), one copy-on-write page, and the turn's pages that only kept
-        turns hold (they stop counting as free)."""
+        (compaction rewrites the shared ones), one copy-on-write page, the turn's pages that only kept
+        turns hold (they stop counting as free), and with a residual window the rows of the copies of the turn's
+        open pages and of the pages the first chunk opens (`_privatize_open`)."""
         a, new = self.allocator, seq.num_tokens - hit.tokens
         keys = self.kept_turns.entries[hit.turn].keys
         need = sum(a.blocks_for(a.num_tokens(k) + new) + 1 for k in keys) + len(a.kept_pages(keys))
+        if self.rows is not None:  # rows for the copies of the turn's open pages, then for what the chunk opens
+            opened = sum(1 for k in keys for p in a.block_table(k) if p != NULL_BLOCK and self.rows.has_row(p))
+            need += (self._claimed_rows + opened + self.rows.window_rows * len(self.groups)) * self.rows.pages_per_row
         return need <= a.num_admissible_blocks
 
     def _allocate_turn(self, seq: Sequence, num_tokens: int, hit: PrefixHit) -> None:
@@ -280,16 +284,41 @@ class BlockManager:
         if hit.tokens != seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} starts at token {seq.num_computed_tokens} but its kept turn "
                              f"holds {hit.tokens}")
-        turn = self.kept_turns.entries[hit.turn]
+        turn, a = self.kept_turns.entries[hit.turn], self.allocator
+        self.kept_turns.touch(hit.turn, hit.tokens)  # most recently used: pages taken below drop other turns first
         for g, key in enumerate(self._keys(seq)):
-            self.allocator.fork(turn.keys[g], key)
+            a.fork(turn.keys[g], key)
+        before, copies = [a.num_tokens(k) for k in self._keys(seq)], len(a.pending_copies)
+        open_copies = sum(self._privatize_open(key) for key in self._keys(seq))
+        self._whole_copies |= {d for _, d in a.pending_copies[copies:]}
         for key in self._keys(seq):
-            self.allocator.append_slots(key, num_tokens)
-        self.kept_turns.touch(hit.turn, hit.tokens)
+            a.append_slots(key, num_tokens)
+        if self.rows is not None:  # the copies' rows, then what the chunk opens
+            self._claimed_rows += open_copies + sum(self.rows.new_rows(a.block_table(k), n, num_tokens)
+                                                    for k, n in zip(self._keys(seq), before))
         self._compacted.add(seq.seq_id)
         self._hits[seq.seq_id] = (hit.tokens, set())
         if self.on_turn_hit is not None:
             self.on_turn_hit(seq, turn.state)
+
+    def _privatize_open(self, key: int) -> int:
+        """A table just forked from a kept turn gets its own copy of the turn's pages a write would change: the
+        partly filled last one, and every page open in a residual window (sealing writes its codes), so the turn
+        keeps what it holds, open rows included, for any later request. Returns the open pages copied (each
+        copy takes a residual row of its own when the copies are applied)."""
+        a, n = self.allocator, self.allocator.num_tokens(key)
+        table = a.block_table(key)
+        has_row = self.rows.has_row if self.rows is not None else (lambda page: False)
+        opened = {j for j, p in enumerate(table) if p != NULL_BLOCK and has_row(p)}
+        last = {(n - 1) // self.block_size} if n % self.block_size else set()
+        a.privatize(key, opened | last)
+        return len(opened)
+
+    def take_whole_copies(self) -> set[int]:
+        """Destination pages of the pending copies that hold every token their source holds (a kept turn's,
+        copied at admission): a page summary may be copied as it is (kvlab.policies.sparse_read)."""
+        whole, self._whole_copies = self._whole_copies, set()
+        return whole
 
     def _cut_to_kept_stats(self, nodes: list[Node], hit: int) -> tuple[list[Node], int]:
         """The hit cut back to the deepest whole block whose node `hit_ends` accepts (and whose pages every
@@ -391,8 +420,9 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Tables for `seq`: the pages of its prefix `hit` (from `lookup`; none when not given), whose
         tokens `seq.num_computed_tokens` counts, then `num_tokens` new slots."""
-        self._allocate(seq, num_tokens, hit or PrefixHit(seq.seq_id))
-        if self.rows is not None:  # the tables now hold the hit's pages: what the chunk opens is known
+        hit = hit or PrefixHit(seq.seq_id)
+        self._allocate(seq, num_tokens, hit)
+        if self.rows is not None and hit.turn is None:  # the tables now hold the hit's pages: what the chunk opens is known
             self._claimed_rows += self._new_rows(seq, num_tokens, start=seq.num_computed_tokens)
 
     def _checked(self, seq: Sequence, hit: PrefixHit) -> tuple[int, list[Node]]:

@@ -50,10 +50,14 @@ class KeptTurns:
         """The allocator key of a kept turn's table in `group` (negative: never a sequence's)."""
         return -(turn_id + 1) * self.num_groups + group
 
-    def new_keys(self) -> tuple[int, list[int]]:
-        """(a fresh turn id, its table keys) for `add`."""
-        turn_id, self._next = self._next, self._next + 1
-        return turn_id, [self.table_key(turn_id, g) for g in range(self.num_groups)]
+    def new_keys(self, taken=lambda key: False) -> tuple[int, list[int]]:
+        """(a fresh turn id, its table keys) for `add`: none of them `taken` (the allocator's other negative
+        keys: a packed format's residual-row leases, kvlab.cache.quant.lease)."""
+        while True:
+            turn_id, self._next = self._next, self._next + 1
+            keys = [self.table_key(turn_id, g) for g in range(self.num_groups)]
+            if not any(taken(k) for k in keys):
+                return turn_id, keys
 
     def add(self, turn_id: int, turn: KeptTurn) -> None:
         self.entries[turn_id] = turn

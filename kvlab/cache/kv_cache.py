@@ -152,10 +152,11 @@ class KVCache:
         return self.layout.read_slots(self.slot_of[layer], slots, dtype, self.scales[layer] or (None, None))
 
     # -- page copies and slot moves -----------------------------------------------
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: page src -> page dst, in every layer slot, with its scales (and residual row)."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], whole: set[int] = frozenset()) -> None:
+        """Copy-on-write: page src -> page dst, in every layer slot, with its scales (and residual row). `whole`:
+        destinations that hold every token their source holds (their page summaries are copied as they are)."""
         if self.sparse_read is not None:
-            self.sparse_read.copied(pairs)
+            self.sparse_read.copied(pairs, whole)
         self.layout.copy_blocks(pairs)
 
     def copy_scratch(self, pairs: list[tuple[int, int]]) -> None:

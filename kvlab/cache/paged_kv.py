@@ -115,7 +115,7 @@ class PagedKV:
     def apply_copies(self) -> int:
         """Copy the pages copy-on-write duplicated (src -> dst, every part and residual row); how many."""
         copies = self.block_manager.take_copies()
-        self.cache.copy_blocks(copies)
+        self.cache.copy_blocks(copies, self.block_manager.take_whole_copies())
         return len(copies)
 
     def compact(self, seq: Sequence, group: int, keep: list[int]) -> None:

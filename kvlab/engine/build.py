@@ -288,6 +288,8 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
         bm.keep_shared = config.prefix_keep_shared
     if config.reuse_compressed:  # finished compressed turns kept for the next (kvlab/cache/kept_turns.py)
         bm.allocator.kept_turns = KeptTurns(len(groups), config.reuse_compressed_max_turns)
+        if cache.area is not None and cache.area.lessor is not None:  # a kept turn's open pages keep their rows
+            bm.allocator.row_pages, bm.allocator.release_rows = cache.area.row_pages, cache.area.release
     if index is not None and cache.area is not None:
         # a residual window: a hit leaves the prompt's window to compute and shares no page that is
         # open in another sequence's window (docs/design.md, "Prefix caching with a residual window")

@@ -140,15 +140,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
             lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
                       f"shared copy-on-write, which only allocator='paged' does"),
-    Refusal("reusing compressed turns with a packed format", "a packed page's residual rows are leased per table",
-            lambda c: c.reuses_compressed_turns and c.packed,
-            lambda c: f"reuse_compressed with quant={c.quant!r} is not supported yet: a packed format's open pages "
-                      f"lease residual rows per sequence, which a kept turn's tables do not hold; use an unpacked "
-                      f"format (fp32, bf16, fp16, fp8)", NotImplementedError),
-    Refusal("reusing compressed turns with sparse reading", "page summaries of a kept turn are not kept",
-            lambda c: c.reuses_compressed_turns and c.sparse_read,
-            lambda c: f"reuse_compressed with policy {c.policy!r} (sparse reading) is not supported yet: the page "
-                      f"summaries a sparse read selects by are not checked across a kept turn", NotImplementedError),
     Refusal("per-head budgets with accumulated attention statistics",
             "the statistics are gathered per layer (a per-head table's overwrite each other); no built-in reaches "
             "it: adakv refuses a scorer with accumulated statistics",
@@ -179,8 +170,9 @@ DEVIATIONS: list[Deviation] = [
               lambda c: c.keeps_shared_pages and c.compacts, ("prefix hits", "schedule")),
     Deviation("reusing compressed turns",
               "with reuse_compressed a request whose prompt starts with a finished request's prompt + output "
-              "continues from that request's compressed cache (its kept slots and the policy's totals) and computes "
-              "only its new tokens, where without the kept turn it computes and compresses its whole prompt: what it "
+              "continues from that request's compressed cache (its kept slots and the policy's totals; with a packed "
+              "format its codes and its open pages' residual rows, with sparse reading its page summaries, as "
+              "they were when it finished) and computes only its new tokens, where without the kept turn it computes and compresses its whole prompt: what it "
               "keeps, and so its output, depends on whether the turn was still kept when it was admitted (evicted "
               "under pool pressure, or past reuse_compressed_max_turns, or not fitting the pool then)",
               lambda c: c.reuses_compressed_turns and c.compacts, ("prefix hits", "schedule")),

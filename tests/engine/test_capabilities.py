@@ -32,11 +32,6 @@ CASES = {
                                                      dict(enable_prefix_caching=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "reusing compressed turns with a packed format": (dict(reuse_compressed=True, quant="int8", **SNAP),
-                                                      dict(reuse_compressed=True, quant="fp16", **SNAP)),
-    "reusing compressed turns with sparse reading": (
-        dict(reuse_compressed=True, policy="rocketkv", policy_args={"budget": 64, "window_size": 8}),
-        dict(policy="rocketkv", policy_args={"budget": 64, "window_size": 8})),
     "per-head budgets with accumulated attention statistics": (
         dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
         dict(policy="adakv", policy_args={"compression_ratio": 0.5})),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 import pytest
 
 from kvlab import LLM, SamplingParams
@@ -100,8 +102,11 @@ def test_a_prompt_that_only_partly_matches_does_not_reuse():
     check_nothing_left(llm, "partial")
 
 
-def test_kept_turns_are_evicted_under_pool_pressure_and_requests_complete():
-    llm = make("snapkv", memory="64KiB")
+@pytest.mark.parametrize("quant, memory", [("auto", "64KiB"), ("int4", "64KiB")])
+def test_kept_turns_are_evicted_under_pool_pressure_and_requests_complete(quant, memory):
+    """int4: a kept turn's open pages hold leased residual rows, given back when the turn goes."""
+    llm = LLM("random:llama-tiny", policy="snapkv", policy_args=POLICIES["snapkv"], reuse_compressed=True,
+              kv_cache_memory=memory, quant=quant)
     bm = llm.engine.block_manager
     r = random.Random(1)
     prompts = [[r.randrange(3, 200) for _ in range(70)] for _ in range(6)]
@@ -113,6 +118,7 @@ def test_kept_turns_are_evicted_under_pool_pressure_and_requests_complete():
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert bm.allocator.num_kept_only <= bm.num_blocks
     check_nothing_left(llm, "pressure")
+    assert llm.engine.stats().get("residual_early_seals", 0) == 0  # every lease the claims promised was had
 
 
 def test_the_store_keeps_at_most_its_capacity_and_drains():
@@ -140,3 +146,115 @@ def test_a_draft_over_a_kept_turn_changes_nothing(policy, draft):
     assert two_turns(llm) == plain
     assert llm.engine.stats()["turn_reuse_hits"] == 1
     check_nothing_left(llm, policy)
+
+
+# -- packed formats and sparse reading over a kept turn ---------------------------------------------------------
+# What a continuing request reads from a kept turn must be what the finished request's cache held: the same codes,
+# the same open pages' full-precision residual rows, the same page summaries (sparse reading), whatever requests
+# continued from the turn before it. int4 / int2 keep a residual window (rows leased from the pool); int8 and fp8
+# (per-token scales) are packed without one.
+PACKED = ("int8", "int4", "int2", "fp8_e4m3")
+LONGER = SamplingParams(max_tokens=24, ignore_eos=True)
+READERS = {**POLICIES, "rocketkv": {"budget": 32, "window_size": 8, "kernel_size": 5}}
+
+
+def held(llm: LLM, keys: list[int], lengths: list[int] | None = None) -> list[tuple]:
+    """Per layer group, what tables `keys` hold in their first `lengths` slots (default: all): every layer's keys
+    and values as read (dequantised; open pages from their residual rows), which pages are open, and (sparse
+    reading) each page's key summary."""
+    cache, bm, a = llm.engine.cache, llm.engine.block_manager, llm.engine.block_manager.allocator
+    out = []
+    for g, key in enumerate(keys):
+        n = a.num_tokens(key) if lengths is None else lengths[g]
+        slots = torch.tensor(a.slot_ids(key, 0, n), dtype=torch.int64)
+        pages = a.block_table(key)[: -(-n // bm.block_size)]
+        kv = [cache.read_slots(layer, slots, torch.float32) for layer in bm.groups[g].layers]
+        opened = [cache.area.row(p) >= 0 for p in pages] if cache.area is not None else []
+        sums = [cache.sparse_read.summaries.bounds[cache.slot_of[layer]][pages].clone()
+                for layer in bm.groups[g].layers] if cache.sparse_read is not None else []
+        out.append((n, kv, opened, sums))
+    return out
+
+
+def same(a: list[tuple], b: list[tuple]) -> bool:
+    def eq(x, y):
+        if isinstance(x, torch.Tensor):
+            return torch.equal(x, y)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(eq(i, j) for i, j in zip(x, y))
+        return x == y
+    return eq(a, b)
+
+
+def spy_turn_reads(llm: LLM) -> tuple[list, dict]:
+    """(what each kept turn held when kept, seq id -> what its first forward reads of the slots its turn covers)."""
+    kept, first, lengths, batch = [], {}, {}, {}
+    bm, runner = llm.engine.block_manager, llm.engine.runner
+    keep_turn, prepare, apply, allocate_turn = bm.keep_turn, runner.prepare, runner.kv.apply_copies, bm._allocate_turn
+
+    def keeping(seq, state=None):
+        done = keep_turn(seq, state)
+        if done:
+            kept.append(held(llm, next(reversed(bm.kept_turns.entries.values())).keys))
+        return done
+
+    def preparing(b):
+        batch["seqs"] = list(b.seqs)
+        return prepare(b)
+
+    def applying():
+        n = apply()  # the copies are in place: what the forward reads
+        for seq in batch["seqs"]:
+            if seq.seq_id in lengths:
+                first[seq.seq_id] = held(llm, bm._keys(seq), lengths.pop(seq.seq_id))
+        return n
+
+    def allocating(seq, num_tokens, hit):  # the slots its turn covers
+        allocate_turn(seq, num_tokens, hit)
+        lengths[seq.seq_id] = [bm.allocator.num_tokens(k) - num_tokens for k in bm._keys(seq)]
+
+    bm.keep_turn, runner.prepare, runner.kv.apply_copies, bm._allocate_turn = keeping, preparing, applying, allocating
+    return kept, first
+
+
+@pytest.mark.parametrize("quant", PACKED)
+@pytest.mark.parametrize("policy", sorted(READERS))
+def test_a_continuation_reads_exactly_what_the_kept_turn_held(policy, quant):
+    """Two requests continue from one kept turn, one after the other: each one's first forward reads, in the slots
+    the turn covers, exactly what the finished request held (codes, open rows, summaries). The first continuation
+    seals and compacts its own copies; the turn keeps its open pages open for the second. The pool drains."""
+    llm = LLM("random:llama-tiny", policy=policy, policy_args=READERS[policy], reuse_compressed=True,
+              kv_cache_memory="1MiB", quant=quant, batch_invariant=True)
+    kept, first = spy_turn_reads(llm)
+    out = llm.generate([P1], LONGER)[0].outputs[0].token_ids  # decodes past a page after compaction
+    other = [R.randrange(3, 200) for _ in range(30)]
+    for new in (other, NEW):  # the first pushes the turn's open pages out of its window at its first step
+        llm.generate([P1 + list(out) + new], GREEDY)
+    assert llm.engine.stats()["turn_reuse_hits"] == 2 and len(first) == 2
+    if quant in ("int4", "int2"):  # the turn has a full page open (its residual row), not only its last one
+        assert any(sum(opened) > 1 for _, _, opened, _ in kept[0])
+    if policy == "rocketkv":
+        assert kept[0][0][3]  # page summaries compared
+    for reads in first.values():
+        assert same(reads, kept[0])
+    check_nothing_left(llm, f"{policy}/{quant}")
+    a = llm.engine.block_manager.allocator
+    while llm.engine.block_manager.kept_turns:
+        a.drop_kept_turn()
+    assert not a.tables and len(a.free_blocks) == a.num_blocks  # the turns' rows went back with them
+
+
+@pytest.mark.parametrize("quant", ["int4", "fp8_e4m3"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_draft_over_a_kept_turn_of_a_packed_format_changes_nothing(policy, quant):
+    """Batch-invariant mode: a verify pass rounds each row as a decode pass would, so over a kept turn's codes and
+    open rows the ngram draft gives the tokens the same hit gives without one, and the pool drains."""
+    def run(**draft):
+        llm = LLM("random:llama-tiny", policy=policy, policy_args=POLICIES[policy], reuse_compressed=True,
+                  kv_cache_memory="1MiB", quant=quant, batch_invariant=True, **draft)
+        turns = two_turns(llm)
+        assert llm.engine.stats()["turn_reuse_hits"] == 1
+        check_nothing_left(llm, f"{policy}/{quant}")
+        return turns
+
+    assert run(draft="ngram", draft_args=DRAFT_ARGS["ngram"]) == run()

@@ -155,3 +155,33 @@ def test_a_failed_generate_aborts_the_samples_of_a_finished_first_sample(monkeyp
             break
     assert fired["n"] == 1
     assert leftovers(engine) == {}
+
+
+@pytest.mark.parametrize("quant, memory", [("int4", "96KiB"), ("fp8_e4m3", "32KiB")])
+def test_kept_turns_under_preemption_and_aborts_leave_nothing_behind(quant, memory):
+    """Second turns continue from kept compressed turns (int4: their open pages' leased residual rows) beside
+    fresh requests while the pool preempts and a request is aborted; once every kept turn is dropped the pool
+    is fully free."""
+    llm = LLM(MODEL, **CONFIGS["snapkv"], reuse_compressed=True, quant=quant, kv_cache_memory=memory,
+              max_num_batched_tokens=32, max_model_len=128)
+    engine, ps = llm.engine, prompts(3, seed=3, lo=30, hi=50)
+    firsts = llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))
+    g = torch.Generator().manual_seed(5)
+    for p, o in zip(ps, firsts):  # 40 new tokens: more than the policy's observation window, so the turn is hit
+        engine.add_request(p + list(o.outputs[0].token_ids) + torch.randint(3, 256, (40,), generator=g).tolist(),
+                           SamplingParams(max_tokens=24, ignore_eos=True))
+    for p in prompts(3, seed=4, lo=30, hi=50):
+        engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+    aborted = False
+    while engine.has_unfinished():
+        engine.step()
+        decoding = [s for s in engine.scheduler.running if s.num_output_tokens >= 4]
+        if not aborted and decoding:
+            aborted = engine.abort(decoding[-1].seq_id)
+    st = llm.stats()
+    assert aborted and st["preemptions"] > 0 and st["turn_reuse_hits"] > 0
+    a = engine.block_manager.allocator
+    assert leftovers(engine).keys() <= {"tables"}  # the kept turns' tables
+    while engine.block_manager.kept_turns:
+        a.drop_kept_turn()
+    assert leftovers(engine) == {} and len(a.free_blocks) == a.num_blocks

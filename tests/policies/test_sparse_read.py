@@ -170,6 +170,28 @@ def test_page_summaries_are_exact_after_writes_copies_and_compaction():
     assert not s.stale
 
 
+def test_a_copy_holding_every_token_of_its_source_keeps_the_summary_of_the_keys_as_computed():
+    """A kept compressed turn's pages copied at a continuation's admission (kvlab.cache.block_manager's
+    `_privatize_open`) hold every token their source holds: the copy keeps the source's summary, built from the
+    keys as the model computed them, as the request continuing would read it; a copy that may hold fewer tokens
+    is recomputed from the pool (int8's dequantised keys: another summary). A stale source stays stale."""
+    g = torch.Generator().manual_seed(2)
+    cache = make_cache(budget=2 * BS, quant="int8")
+    s = cache.sparse_read.summaries
+    keys = torch.randn(10, HKV, D, generator=g)
+    write(cache, 0, [7, 3, 9], keys, keys, chunk=3)
+    computed = s.bounds[0][9].clone()
+    cache.copy_blocks([(9, 11), (9, 12)], whole={11})
+    assert s.stale == {12}
+    plan = plan_paged_attention([0, 1, 2], [11, 11], [[7, 3, 11], [7, 3, 12]], BS, None, "cpu")
+    cache.sparse_read.begin_step([], [], [plan])
+    assert torch.equal(s.bounds[0][11], computed)
+    assert not torch.equal(s.bounds[0][12], computed)  # recomputed from int8's codes
+    cache.move_slots([(3 * BS + 1, 7 * BS + 1)])  # page 7 rewritten: stale until a step holds it
+    cache.copy_blocks([(7, 13)], whole={13})
+    assert s.stale == {7, 13}
+
+
 def decoding(seq_id: int, computed: int, drafts: int = 0):
     """A sequence past its 8-token prompt, as `SparseRead.begin_step` reads it."""
     return SimpleNamespace(seq_id=seq_id, is_scoring=False, num_computed_tokens=computed, num_prompt_tokens=8,

@@ -12,13 +12,17 @@ never-registered free pages first, then evicts a parked page chosen by the evict
 
 With kept compressed turns (`kept_turns`, kvlab/cache/kept_turns.py: EngineConfig.reuse_compressed) the
 store's tables are tables here; a page only they hold counts as free, and when no free or parked page is
-left `_take` drops the least recently used turn (freeing its tables) until one is.
+left `_take` drops the least recently used turn (freeing its tables) until one is. With a packed format's
+residual window a kept turn's open pages keep their full-precision residual rows (leased pages,
+kvlab.cache.quant.lease): those count as free with the page (`row_pages`), and dropping the turn gives them
+back at once (`release_rows`), before any page it freed is taken again.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvlab.cache.allocators.base import NULL_BLOCK, Allocator, OutOfBlocks
 from kvlab.registry import ALLOCATORS
@@ -40,6 +44,10 @@ class PagedAllocator(Allocator):
         self.ref_counts = [0] * self.num_blocks
         self.prefix_cache = None  # kvlab.cache.prefix_cache.PrefixCache: owned here (given at assembly)
         self.kept_turns = None  # kvlab.cache.kept_turns.KeptTurns: owned here (given at assembly)
+        # a packed format's residual rows (given at assembly; None: none): page -> pages its open row holds
+        # (0 when sealed), and the cache's release of the rows of pages no table holds any more
+        self.row_pages: Callable[[int], int] | None = None
+        self.release_rows: Callable[[list[int]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,18 +60,31 @@ class PagedAllocator(Allocator):
         if not self.kept_turns:
             return 0
         held = Counter(b for k in self.kept_turns.table_keys() for b in self.tables[k] if b != NULL_BLOCK)
-        return sum(1 for b, n in held.items() if self.ref_counts[b] == n)
+        copied = {s for s, _ in self.pending_copies}  # a pending copy takes such a page's row over
+        return sum(1 + (0 if b in copied else self._row_pages(b)) for b, n in held.items() if self.ref_counts[b] == n)
+
+    def _row_pages(self, page: int) -> int:
+        """Pages the residual row of open `page` holds (0: sealed, or no residual rows)."""
+        return self.row_pages(page) if self.row_pages is not None else 0
 
     def kept_pages(self, keys: list[int]) -> list[int]:
         """Of the pages of tables `keys` (a kept turn's), those no table but a kept turn's holds: a request
-        admitted onto the turn takes them out of the free count."""
+        admitted onto the turn takes them out of the free count (an open one's residual row stays the turn's)."""
         held = Counter(b for k in self.kept_turns.table_keys() for b in self.tables[k] if b != NULL_BLOCK)
         return [b for b in {b for k in keys for b in self.tables[k] if b != NULL_BLOCK} if self.ref_counts[b] == held[b]]
 
     def drop_kept_turn(self) -> None:
         """Free the tables of the least recently used kept turn."""
-        for key in self.kept_turns.evict().keys:
+        self.free_kept_tables(self.kept_turns.evict().keys)
+
+    def free_kept_tables(self, keys: list[int]) -> None:
+        """Free a kept turn's tables; the residual rows of its open pages that no table holds now go back
+        to the pool at once (their leased pages become free with the turn's own)."""
+        pages = {b for k in keys for b in self.tables[k] if b != NULL_BLOCK}
+        for key in keys:
             self.free(key)
+        if self.release_rows is not None:
+            self.release_rows(sorted(b for b in pages if self.ref_counts[b] == 0))
 
     def _take(self) -> int:
         while not self.free_blocks and not (self.prefix_cache is not None and self.prefix_cache.num_parked) \
@@ -117,13 +138,14 @@ class PagedAllocator(Allocator):
         table[index] = self._take()
         return table[index]
 
-    def privatize(self, seq_id: int) -> int:
+    def privatize(self, seq_id: int, only: set[int] | None = None) -> int:
         """Give `seq_id` its own copy of every page it shares with another table or the prefix cache (copies
         in pending_copies, applied before the next forward; the originals stay with their other owners, or
-        parked, findable); returns how many. Fresh pages are taken before any original is let go, so no copy's
-        source is reused as another's destination."""
+        parked, findable); returns how many. `only`: just the table's pages at these indices. Fresh pages are
+        taken before any original is let go, so no copy's source is reused as another's destination."""
         table = self.tables[seq_id]
-        shared = [(i, b) for i, b in enumerate(table) if b != NULL_BLOCK and self._shared(b)]
+        shared = [(i, b) for i, b in enumerate(table)
+                  if b != NULL_BLOCK and self._shared(b) and (only is None or i in only)]
         if len(shared) > self.num_free_blocks:
             raise OutOfBlocks(f"copying {len(shared)} shared pages of sequence {seq_id} needs as many free blocks")
         fresh = [self._take() for _ in shared]

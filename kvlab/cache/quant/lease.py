@@ -40,6 +40,8 @@ class PageLessor:
         if a.reservation(tokens, tokens) > tokens or not a.can_allocate(tokens, tokens):
             return None
         self._next += 1
+        while -self._next in a.tables:  # another negative key (a kept turn's table, kvlab.cache.kept_turns)
+            self._next += 1
         key = -self._next
         a.allocate(key, tokens, tokens)
         self.keys.add(key)

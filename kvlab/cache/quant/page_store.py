@@ -101,6 +101,19 @@ class ResidualArea:
         self._open[to] = row
         self.row_of[to] = row
 
+    def row_pages(self, page: int) -> int:
+        """Pool pages the leased row of open `page` holds (0: sealed, or own rows)."""
+        return self.k if self.lessor is not None and page in self._open else 0
+
+    def release(self, pages: list[int]) -> None:
+        """The rows of open `pages`, which no table holds any more (a dropped kept turn's, kvlab.cache.kept_turns),
+        go back now, their contents unencoded: a freed page is written afresh before anything reads it. A page
+        a pending copy still reads keeps its row (the copy takes it over, PackedLayout.copy_blocks)."""
+        held = self.lessor.held() if self.lessor is not None else lambda page: False
+        for page in pages:
+            if not held(page):
+                self.seal(page)
+
     def _release(self, row: int) -> None:
         key = self._keys.pop(row, None)
         if key is not None:
