@@ -130,7 +130,7 @@ def _pool_side(cache: torch.Tensor, scale: torch.Tensor | None) -> tuple[_Side, 
     """An element-wise pool [NB, bs, Hkv, D] (fp32 / bf16 / fp16, or fp8 with an optional per-head scale)."""
     if cache.stride(-1) != 1:
         return None
-    keep = [cache]
+    keep = []  # not `cache`: the weak reference _sides holds it by would never die (each pool leaked)
     side = _Side(data=cache.data_ptr(), s_block=cache.stride(0), s_pos=cache.stride(1), s_head=cache.stride(2))
     if cache.dtype in POOL_KINDS and scale is None:
         side.kind = POOL_KINDS[cache.dtype]

@@ -181,6 +181,24 @@ def test_ops_dispatch_runs_the_kernel_unless_turned_off(monkeypatch):
     assert calls == [1]
 
 
+def test_the_kernel_keeps_no_pool_alive():
+    """A pool the kernel read is freed with its engine: the launcher's per-pool reading is held weakly (a strong
+    reference there kept every engine's pool, 256 MiB each by default, until the process ended)."""
+    import gc
+    import weakref
+
+    batch = make_paged_batch([1, 1], [5, 40], 2, 3, 64, 16)
+    plan = plan_paged_attention(batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist(), batch.block_tables.tolist(),
+                                16)
+    with ops.backend("auto"):
+        ops.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+    assert id(batch.k_cache) in cpu._sides, "the kernel did not read the pool"
+    pools = [weakref.ref(batch.k_cache), weakref.ref(batch.v_cache)]
+    del batch
+    gc.collect()
+    assert [p() for p in pools] == [None, None], "the kernel's launcher keeps a pool alive"
+
+
 def test_no_compiler_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "compiler", lambda: None)
     monkeypatch.setattr(cpu, "_kernel", cpu._kernel.__wrapped__)
