@@ -37,7 +37,8 @@ def test_fork_shares_pages_then_copies_on_write(llm, monkeypatch):
     used = bm.num_used_blocks()
     copies = []
     real_copy = engine.cache.copy_blocks
-    monkeypatch.setattr(engine.cache, "copy_blocks", lambda pairs: (copies.extend(pairs), real_copy(pairs)))
+    monkeypatch.setattr(engine.cache, "copy_blocks", lambda pairs, *whole: (copies.extend(pairs),
+                                                                       real_copy(pairs, *whole)))
     child = engine.fork(parent)
     assert bm.num_used_blocks() == used  # nothing copied yet: every page is shared
     outs = run(engine)

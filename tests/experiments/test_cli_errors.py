@@ -15,8 +15,9 @@ from kvlab.study.experiment import read_record
 TINY = ["model=random-llama-tiny", "logger=none", "workload=none", "task=none", "progress=false"]
 
 CASES = {  # the command line (after TINY) -> what the one line must say
-    "a self-speculating draft over a packed format": (
-        ["draft=self_compressed", "quant=int4"], "draft 'self_compressed' reads the target's own pages"),
+    "kept compressed turns with prefix caching": (
+        ["policy=snapkv", "policy.compression_ratio=0.5", "engine.reuse_compressed=true", "engine.enable_prefix_caching=true"],
+        "reuse_compressed with enable_prefix_caching is not supported yet"),
     "a pool smaller than one page": (["engine.kv_cache_memory=1KiB"], "engine.kv_cache_memory: 1024 bytes"),
     "a format that does not fit the block size": (["quant=int4", "engine.block_size=1"], "quant: int4"),
     "an absent device": (["engine.device=cuda"], "engine.device: "),
