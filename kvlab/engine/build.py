@@ -305,6 +305,7 @@ def attach_tiers(config, kv: PagedKV) -> None:
     places = Places([t.kind for t in tiers], [t.capacity for t in tiers],
                     PLACEMENTS.build(config.offload_placement, **config.offload_placement_args), nbytes, config.block_size)
     kv.attach_tiers(tiers, places)
+    kv.calibrate()  # the cost model's start-up restore rates (kvlab.cache.tiers.placement.cost_aware)
 
 
 def compression_chunk(config) -> int:
