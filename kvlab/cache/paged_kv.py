@@ -66,7 +66,7 @@ class PagedKV:
     def rows(self) -> PageRows:
         """A page as one row of bytes (every page-indexed pool tensor's slice at its offset)."""
         if self._rows is None:
-            self._rows = PageRows(self.cache.page_tensors())
+            self._rows = PageRows(self.cache.page_tensors(), self.cache.page_block())
         return self._rows
 
     def page_parts(self, page: int) -> list[torch.Tensor]:
