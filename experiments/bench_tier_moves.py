@@ -4,7 +4,7 @@ On a model's real pool (SmolLM2-135M: 30 layers x K/V = 60 pool tensors, a 16-to
 slices of 12 KB), pages filled with random bits:
 - per-slice (the earlier code): a page as 60 separate tensors, one allocation and one copy each, and back;
 - host tier, one page at a time: `PagedKV.demote` then `restore_many` of one page (one batched copy per side);
-- host tier, runs: `restore_many` of --run pages at once (one copy per pool tensor for the run);
+- host tier, runs: `restore_many` of --run pages at once (a hit's pages: one copy a page);
 - disk tier: `demote` (one file write per page), then the read ahead (one `readinto` per page, on the worker) and
   `restore_many` of the run; the read and the copy are timed together (page cache warm: the files were just written);
 - the copy roof: one large contiguous copy of as many bytes.

@@ -23,7 +23,7 @@ of `kvlab.cache.tiers.places.Places`, which calls it at the moment its bookkeepi
 
     demote(page, tier, key)         an evicted prefix-cache page -> a tier (before the page is reused)
     restore_many([(key, tier, page)])  tiers' pages -> fresh pool pages a prefix hit took (then registered), one
-                                    copy per pool tensor for each tier's run (kvlab.cache.tiers.rows)
+                                    copy a page (kvlab.cache.tiers.rows)
     spill(key, src, dst)            a tier's victim -> a slower tier
     discard(key, tier)              a tier's copy goes (dropped, or the pool holds the block again)
     start_read(key, tier) / poll() / wait()   a slow tier's read ahead (into host memory, never into the pool)
@@ -95,8 +95,8 @@ class PagedKV:
         self.restore_many([(key, tier, page)])
 
     def restore_many(self, items: list[tuple[Hashable, int, int]]) -> dict[int, float]:
-        """Copy each (key, tier, page) from its tier into its pool page, bit for bit, each tier's pages as one run
-        (one copy per pool tensor); the tiers' copies go. Seconds per tier: the copy, and the file reads a slow
+        """Copy each (key, tier, page) from its tier into its pool page, bit for bit (one copy a page where the pool
+        is one allocation); the tiers' copies go. Seconds per tier: the copy, and the file reads a slow
         tier made for these pages (ahead, on its worker, or now)."""
         seconds = {}
         for t in sorted({tier for _, tier, _ in items}):
@@ -104,7 +104,8 @@ class PagedKV:
             keys = [key for key, tier, _ in items if tier == t]
             pages = [page for _, tier, page in items if tier == t]
             read = self.tiers[t].read_seconds(keys)
-            self.tiers[t].load_many(keys, lambda rows: self.rows.scatter(rows, pages))
+            for key, page in zip(keys, pages):  # one copy a page (a gathered run of rows measured slower)
+                self.tiers[t].load(key, lambda row, page=page: self.rows.scatter(row, [page]))
             self._timed(self.rows.nbytes * len(keys), started)
             seconds[t] = time.perf_counter() - started + read + self.tiers[t].read_seconds(keys)
         return seconds
@@ -127,7 +128,8 @@ class PagedKV:
                     tier.wait()
                     tier.poll()
                 tier.poll()
-                tier.load_many(keys, lambda rows: self.rows.scatter(rows, [null] * n))
+                for key in keys:
+                    tier.load(key, lambda row: self.rows.scatter(row, [null]))
                 self.places.placement.observe_restore(t, n, time.perf_counter() - started)
 
     def spill(self, key: Hashable, src: int, dst: int) -> None:

@@ -72,11 +72,6 @@ class ManualTier(HostTier):
         self.arrived.discard(key)
         super().load(key, read)
 
-    def load_many(self, keys: list[Hashable], read: Fill) -> None:
-        self._check(keys)
-        self.arrived -= set(keys)
-        super().load_many(keys, read)
-
     def _check(self, keys: list[Hashable]) -> None:
         late = [k for k in keys if k not in self.arrived]
         if late:

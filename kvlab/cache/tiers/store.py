@@ -1,7 +1,7 @@
 """The host tier: pages as rows of one host slab (pinned when the pool is on a GPU, so copies can be asynchronous).
 
 The slab is `[capacity, row_bytes]` uint8, allocated once (untouched rows cost no memory until written); a page
-is one row, so a run of pages restored together is one `index_select` of rows and one copy per pool tensor.
+is one row, copied to or from the pool in one copy where the pool is one allocation (kvlab.cache.tiers.rows).
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ class HostTier(Tier):
         s = self.slot.pop(key)
         read(self.slab[s:s + 1])
         self.free.append(s)
-
-    def load_many(self, keys: list[Hashable], read: Fill) -> None:
-        slots = [self.slot.pop(k) for k in keys]
-        read(self.slab[slots[0]:slots[0] + 1] if len(slots) == 1 else self.slab[torch.tensor(slots)])  # [n, row]
-        self.free += slots
 
     def drop(self, key: Hashable) -> None:
         s = self.slot.pop(key, None)

@@ -50,14 +50,6 @@ class Tier(ABC):
         """Hand page `key`'s row ([1, row_bytes]) to `read`, then forget the page; TierReadError if it cannot
         be read."""
 
-    def load_many(self, keys: list[Hashable], read: Fill) -> None:
-        """Hand the rows of `keys` ([len(keys), row_bytes], in order) to `read` at once (one copy per pool tensor
-        for the run), then forget them."""
-        rows = torch.empty((len(keys), self.row_bytes), dtype=torch.uint8)
-        for i, key in enumerate(keys):
-            self.load(key, rows[i:i + 1].copy_)
-        read(rows)
-
     @abstractmethod
     def drop(self, key: Hashable) -> None:
         """Forget page `key` (its memory or file goes; a read in flight is abandoned)."""
