@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from kvlab.study import bench_script
+from kvlab.study.bench_script import REPO, commit_line, fmt, load_average, log, provenance, save, table  # noqa: F401
 
 SYSTEMS = ("hf-generate", "hf-generate-batch", "kvlab")
 SECTIONS = ("micro", "trace", "concurrency")
@@ -41,7 +39,6 @@ ALLOCATORS = (  # (row name, allocator, allocator_args)
     ("contiguous", "contiguous", {"reserve": "max_model_len"}),
     ("contiguous (reserve=request)", "contiguous", {"reserve": "request"}),
 )
-REPO = Path(__file__).resolve().parents[1]
 
 
 # -- one timed run -------------------------------------------------------------
@@ -311,19 +308,8 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def fmt(value) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return "-" if value is None else str(value)
 
 
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Markdown table of `rows`; columns are (key, heading)."""
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(k)) for k, _ in columns) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def report(results: dict, meta: dict) -> str:
@@ -397,34 +383,14 @@ def report(results: dict, meta: dict) -> str:
 
 
 def metadata(args) -> dict:
-    """The runner's run metadata (kvlab.study.experiment.run_meta: git state, package versions, host, start time)
-    and what the report adds: the command, the machine, the load."""
-    import torch
-
-    from kvlab.study.experiment import run_meta
-
-    meta = run_meta({"seed": args.seed, **vars(args)})
-    return {
-        **meta,
-        "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-                   f"{platform.platform()}",
-        "model": args.model,
-        "load_start": load_average(),
-        "args": {**vars(args), "micro_prompt_tokens": 32},
-    }
+    """kvlab.study.bench_script.metadata, and the micro section's prompt length."""
+    meta = bench_script.metadata(args)
+    meta["args"]["micro_prompt_tokens"] = 32
+    return meta
 
 
-def commit_line(meta: dict) -> str:
-    commit = (meta["git_commit"] or "?")[:7]
-    return commit + (" (uncommitted changes present)" if meta["git_dirty"] else "")
 
 
-def provenance(meta: dict, note: str = "timings are indicative only") -> list[str]:
-    """A report's opening lines: the command that made it, the commit, the machine and its load."""
-    return [f"Command: `{meta['command']}`  ",
-            f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
-            f"at end {load_average()} ({note}).", ""]
 
 
 def add_quality_args(p: argparse.ArgumentParser, context: int, num_windows: int, prompt_length: int) -> None:
@@ -444,20 +410,10 @@ def quality_sizes(args, reference: str) -> str:
             f"{args.max_new_tokens} greedy tokens, {reference}. ")
 
 
-def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
-    """Print the report and write it as <out>.md, with <out>.json holding the figures and the metadata."""
-    from kvlab.study.loggers.local import write_report
-
-    print(text)
-    write_report(out, text, {"meta": meta, "rows": rows})
 
 
-def load_average() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- command line ----------------------------------------------------------------------------
