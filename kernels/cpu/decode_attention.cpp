@@ -176,7 +176,13 @@ inline __attribute__((always_inline)) const float* load_row(const Side& s, int64
         case 10: {
             const int8_t* c = (const int8_t*)s.data + (slot * Hkv + h) * D;
             float sc = half_to_float(s.scale16[slot * Hkv + h]);
-            for (int d = 0; d < D; ++d) buf[d] = float(c[d]) * sc;
+            int d = 0;
+#if defined(__AVX512F__)
+            for (const __m512 sv = _mm512_set1_ps(sc); d + 16 <= D; d += 16)  // 16 codes widened in registers
+                _mm512_storeu_ps(buf + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                            _mm_loadu_si128((const __m128i*)(c + d)))), sv));
+#endif
+            for (; d < D; ++d) buf[d] = float(c[d]) * sc;
             return buf;
         }
         case 13: {
@@ -456,10 +462,30 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
+// The scales / zero points a packed kind reads with a key's codes.
+__attribute__((noinline)) void prefetch_scales(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
+    const int64_t slot = page * page_size + pos;
+    int64_t g0 = -1, ng = 0;
+    if (s.kind == 10 || s.kind == 13) {  // fp16 scale per token per head
+        g0 = slot * Hkv, ng = Hkv;
+    } else if (s.kind == 11) {  // KIVI keys: per channel over `group` tokens, read at the group's first token
+        if (pos % s.group == 0) g0 = (page * (page_size / s.group) + pos / s.group) * Hkv * D, ng = int64_t(Hkv) * D;
+    } else {  // KIVI values: per token over `group` channels
+        ng = int64_t(Hkv) * (D / s.group), g0 = slot * ng;
+    }
+    if (g0 < 0) return;
+    for (int64_t o = 0; o < 2 * ng + 63; o += 64) {
+        prefetch_line((const char*)(s.scale16 + g0) + std::min(o, 2 * ng - 1));
+        if (s.zero16) prefetch_line((const char*)(s.zero16 + g0) + std::min(o, 2 * ng - 1));
+    }
+}
+
+// A key's slot (every KV head) of one side: its codes, and for packed kinds their scales / zero points.
 inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
     int64_t n;
     const char* p = slot_bytes(s, page, pos, page_size, Hkv, D, &n);
     for (int64_t o = 0; o < n; o += 64) prefetch_line(p + o);
+    if (s.kind >= 10 && s.scale16) prefetch_scales(s, page, pos, page_size, Hkv, D);
 }
 
 // One unit: keys [lo, hi) of row b, every KV head -> m [Hkv, G], l [Hkv, G], acc [Hkv, G, D] (unnormalised).
