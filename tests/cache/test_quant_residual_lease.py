@@ -177,7 +177,7 @@ def test_tiny_pools_run_every_request_that_fits_and_refuse_the_others_at_once(mo
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = {n: prompt(n, 60 + n) for n in TINY_NEEDS}
     want = dict(zip(prompts, (o.token_ids for o in tiny_pool(4096).generate(list(prompts.values()), params))))
-    for pages in (8, 80, 81, 84):
+    for pages in (8, 20, 80, 81, 84):
         llm = tiny_pool(pages)
         fits = []
         for n, ids in prompts.items():
