@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from kvlab.study.bench_script import REPO, bench_main, provenance, table
+from kvlab.study.bench_io import REPO, bench_main, provenance, table
 
 COLUMNS = [("batch", "batch"), ("run", "forward"), ("step_ms", "decode step ms (median)"),
            ("vs_eager", "first eager / this"), ("setup_s", "prefill + warm-up s (compiling)"),

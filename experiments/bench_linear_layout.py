@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from kvlab.study.bench_script import REPO, bench_main, provenance, table
+from kvlab.study.bench_io import REPO, bench_main, provenance, table
 
 COLUMNS = [("group", "group"), ("shape", "fused weight"), ("dtype", "dtype"), ("batch", "batch"),
            ("separate_us", "separate us"), ("fused_us", "fused us"), ("separate_gb_s", "separate GB/s"),

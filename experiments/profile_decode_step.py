@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from kvlab.study.bench_script import REPO, bench_main, log, provenance, table
+from kvlab.study.bench_io import REPO, bench_main, log, provenance, table
 
 PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler",
          "engine rest"]

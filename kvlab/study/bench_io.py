@@ -1,11 +1,13 @@
-"""What the benchmark scripts in experiments/ share: a run's record (command, commit, machine, load), the markdown
-table, the saved report, and the one call a script's `main` makes.
+"""What every benchmark script in experiments/ writes: its provenance, its tables, its results files, its log.
 
-    rows = bench_main(parse_args, run, report, argv)  # parse, pin torch threads, record, run, print and save
-    provenance(meta)                                  # a report's opening lines
+A benchmark (nano-vllm's bench.py shape: short, these helpers imported from the package) prints a markdown
+report and writes it as `experiments/results/<name>.md` with the figures and the metadata in `<name>.json`:
 
-A script's arguments carry `threads` (torch threads, pinned before the record quotes them), `seed`, `model`
-and `out` (the report is written as <out>.md and <out>.json, kvlab.study.loggers.local.write_report).
+    meta = metadata(args)                               # command, commit, versions, machine, load at start
+    text = "\\n".join(["# Title", "", *provenance(meta), table(rows, [("key", "heading"), ...])])
+    save(args.out, text, meta, rows)                    # print, then <out>.md and <out>.json
+    log("cell done")                                    # a timestamped line on stderr
+    rows = bench_main(parse_args, run, report, argv)    # a script's whole main: parse, threads, run, save
 """
 
 from __future__ import annotations
@@ -17,16 +19,29 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
-from kvlab.study.tasks.data import REPO_ROOT
+REPO = Path(__file__).resolve().parents[2]  # the checkout the scripts run from (kvlab installed editable from it)
 
-REPO = REPO_ROOT
+
+def fmt(value) -> str:
+    """A table cell: floats to 3 decimals below 10 and 1 above, NaN and None as '-'."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Markdown table of `rows`; columns are (key, heading)."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(k)) for k, _ in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def metadata(args) -> dict:
     """The runner's run metadata (kvlab.study.experiment.run_meta: git state, package versions, host, start time)
-    and what a report adds: the command (relative to the repository), the machine, the load."""
+    and what the report adds: the command, the machine, the load."""
     import torch
 
     from kvlab.study.experiment import run_meta
@@ -39,7 +54,7 @@ def metadata(args) -> dict:
                    f"{platform.platform()}",
         "model": args.model,
         "load_start": load_average(),
-        "args": dict(vars(args)),
+        "args": vars(args).copy(),
     }
 
 
@@ -53,21 +68,6 @@ def provenance(meta: dict, note: str = "timings are indicative only") -> list[st
     return [f"Command: `{meta['command']}`  ",
             f"Commit: {commit_line(meta)}; machine: {meta['machine']}; load average at start {meta['load_start']}, "
             f"at end {load_average()} ({note}).", ""]
-
-
-def fmt(value) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return "-" if value is None else str(value)
-
-
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Markdown table of `rows`; columns are (key, heading)."""
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(k)) for k, _ in columns) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
@@ -86,9 +86,13 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def bench_main(parse_args: Callable, run: Callable, report: Callable, argv=None) -> list[dict]:
-    """A script's main: its arguments, torch pinned to `args.threads` (before the record, which quotes it), the
-    record, the rows `run(args)` measures, and `report(rows, meta, args)` printed and saved at `args.out`."""
+def bench_main(parse_args, run, report, argv=None) -> list[dict]:
+    """A benchmark's whole `main`: its arguments, torch pinned to `args.threads` (before the metadata, which quotes
+    it), the rows `run(args)` measures, and `report(rows, meta, args)` printed and saved at `args.out`.
+
+        def main(argv=None):
+            return bench_main(parse_args, run, report, argv)
+    """
     import torch
 
     args = parse_args(argv)
