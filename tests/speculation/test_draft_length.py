@@ -110,12 +110,12 @@ def test_heuristic_lengths_grow_faster_than_step_lengths():
 
 
 # -- sampled: adaptive lengths and confidence stops keep the target's distribution ------------------------
-# 1,000 seeded sampled requests (temperature 1, top-k 4), 6 tokens each, with a one-layer draft (an early exit, or
-# the target's first layer reading an 8-token SnapKV view of its own cache): the 2nd to 6th output tokens are
+# 1,000 seeded sampled requests (temperature 1, top-k 4), 8 tokens each, with a one-layer draft (an early exit, or
+# the target's first layer reading an 8-token SnapKV view of its own cache): the 2nd to 8th output tokens are
 # distributed as plain sampling's (two-sample chi-square at 99.9%) while the chain lengths move (a length rule) or
 # chains stop early (a confidence threshold). The drafts are close enough to the target that rejections are
 # neither rare nor near-certain, so the residual distribution carries weight.
-SAMPLED_N, SAMPLED_TOKENS = 1000, 6
+SAMPLED_N, SAMPLED_TOKENS = 1000, 8
 SAMPLED_PROMPT = [5, 6, 7, 8, 9] * 4 + [1, 2]
 SAMPLED_ENGINE = dict(block_size=4, kv_cache_memory="64MiB", max_num_seqs=SAMPLED_N,
                       max_num_batched_tokens=SAMPLED_N * 16)
@@ -127,7 +127,7 @@ SAMPLED_DRAFTS = {
 SAMPLED_LENGTHS = {  # how the chain length moves
     "step": {"num_tokens": 1, "adaptive": True, "max_num_tokens": 4, "length_rule": "step"},
     "heuristic": {"num_tokens": 1, "adaptive": True, "max_num_tokens": 5, "length_rule": "heuristic"},
-    "threshold": {"num_tokens": 4, "confidence_threshold": 0.05},
+    "threshold": {"num_tokens": 4, "confidence_threshold": 0.006},  # about the median top probability here
 }
 
 
@@ -146,6 +146,7 @@ def plain_sampled() -> list[list[int]]:
     return _PLAIN_SAMPLED
 
 
+@pytest.mark.heavy  # 5-30 s each on two busy cores
 @pytest.mark.parametrize("length", sorted(SAMPLED_LENGTHS))
 @pytest.mark.parametrize("draft", sorted(SAMPLED_DRAFTS))
 def test_sampled_outputs_keep_the_plain_distribution_under_adaptive_lengths(draft, length):
@@ -157,10 +158,10 @@ def test_sampled_outputs_keep_the_plain_distribution_under_adaptive_lengths(draf
     stats, plain_out = llm.stats(), plain_sampled()
     assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats["spec_acceptance_rate"]  # rejections carry weight
     per = stats["spec_drafted_tokens"] / stats["spec_verifications"]
-    if length == "threshold":  # chains stop early: shorter than the 4 asked for
-        assert 1.0 < per < 3.5, per
+    if length == "threshold":  # chains stop early: shorter than the 4 asked for, longer than one token
+        assert 1.2 < per < 3.0, per
     else:  # lengths move from the starting 1
-        assert per > 1.2, per
+        assert per > 1.1, per
     assert [o[0] for o in spec] == [o[0] for o in plain_out]  # the prefill's token: the same stream
     for index in range(1, SAMPLED_TOKENS):
         stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec])
