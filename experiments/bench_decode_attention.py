@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, metadata, provenance, save, table
 
 COLUMNS = [("group", "group"), ("shape", "fused weight"), ("dtype", "dtype"), ("batch", "batch"),
            ("separate_us", "separate us"), ("fused_us", "fused us"), ("separate_gb_s", "separate GB/s"),

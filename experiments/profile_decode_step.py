@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler",
          "engine rest"]
