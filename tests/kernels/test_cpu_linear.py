@@ -17,7 +17,8 @@ from kvlab.kernels.cpu import linear as cpu
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu.available(), reason="no C++ compiler or no AVX-512: the kernel cannot build")]
-SHAPES = [(576, 576), (192, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (5, 40)]
+SHAPES = [(576, 576), (192, 576), (1536, 576), (3072, 576), (576, 1536), (4096, 576), (7, 13), (5, 40),
+          pytest.param(49152, 576, marks=pytest.mark.heavy)]  # lm_head: 4096 x 576 runs its code path in the default suite
 BATCHES = [1, 2, 3, 4, 5, 16, 31, 32]
 DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
           "fp32 x, bf16 W": (torch.float32, torch.bfloat16)}
@@ -38,12 +39,22 @@ def tolerance(dtype):  # bf16 output: half an ulp of the rounding, plus fp32 acc
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_the_kernel_matches_f_linear(kind, n, k):
     x_dtype, w_dtype = DTYPES[kind]
-    for b in (BATCHES if n * k < 10**7 else [1, 5, 32]):
-        x, w, bias = data(n, k, b, x_dtype, w_dtype, bias=b % 2 == 1)
-        got = cpu.linear(x, w, bias)
+    x_all, w, bias_all = data(n, k, max(BATCHES), x_dtype, w_dtype, bias=True)
+    packed = cpu.pack(w)  # once per weight, as the engine does
+    for b in (BATCHES if n * k < 10**7 else [1, 5, 32]):  # the lm_head: three batches
+        x, bias = x_all[:b], (bias_all if b % 2 else None)
+        got = cpu.linear(x, w, bias, packed)
         want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         assert got.dtype == x_dtype and got.shape == (b, n)
         torch.testing.assert_close(got.double(), want, **tolerance(x_dtype), msg=lambda m: f"{kind} {n}x{k} b={b}: {m}")
+
+
+def test_a_packed_weight_of_another_matrix_is_refused():
+    x, w, _ = data(64, 32, 3, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="packed weight is"):
+        cpu.linear(x, w, None, cpu.pack(w[:32]))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu.pack(w.half())
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
