@@ -103,7 +103,6 @@ def cell(shape, dtype, batch: int, args) -> list[dict]:
 
 
 def run(args) -> tuple[list[dict], dict]:
-    torch.set_num_threads(args.threads)
     roofs, rows = [], []
     for dtype_name in args.dtypes:
         for shape_name in args.shapes:
@@ -149,6 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)  # before the metadata, which quotes it
     meta = metadata(args)
     rows, roof = run(args)
     meta["roof"] = roof
