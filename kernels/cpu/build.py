@@ -54,7 +54,9 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
-def library_path(cxx: str, source: Path = SOURCE) -> Path:
+def library_path(cxx: str, source: Path | None = None) -> Path:
+    """Where `source` (default SOURCE, read at call time) compiled by `cxx` lives in the cache folder."""
+    source = SOURCE if source is None else source
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
@@ -62,8 +64,10 @@ def library_path(cxx: str, source: Path = SOURCE) -> Path:
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
 
 
-def build(cxx: str, target: Path, source: Path = SOURCE) -> None:
-    """Compile `source` into `target` (atomically); raises RuntimeError with the compiler's message on failure."""
+def build(cxx: str, target: Path, source: Path | None = None) -> None:
+    """Compile `source` (default SOURCE) into `target` (atomically); raises RuntimeError with the compiler's
+    message on failure."""
+    source = SOURCE if source is None else source
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -80,7 +84,7 @@ def build(cxx: str, target: Path, source: Path = SOURCE) -> None:
 @lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL | None:
     """The compiled decode-attention kernels (built first when missing), or None after one warning."""
-    return load_source(SOURCE, ABI_VERSION, "kvlab_abi_version", "CPU decode attention")
+    return load_source(SOURCE, ABI_VERSION, "kvlab_abi_version", "CPU decode attention")  # SOURCE read now
 
 
 @lru_cache(maxsize=None)
