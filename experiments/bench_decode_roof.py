@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"),
            ("linear_backend", "linear"), ("batch", "batch"),

@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("draft", "draft"),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
-ABI_VERSION = 1  # kvlab_abi_version() of decode_attention.cpp
+ABI_VERSION = 2  # kvlab_abi_version() of decode_attention.cpp
 LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
 LINEAR_ABI_VERSION = 2  # kvlab_linear_abi_version() of linear.cpp
 
@@ -84,21 +84,21 @@ def build(cxx: str, target: Path, source: Path | None = None) -> None:
 @lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL | None:
     """The compiled decode-attention kernels (built first when missing), or None after one warning."""
-    return load_source(SOURCE, ABI_VERSION, "kvlab_abi_version", "CPU decode attention")  # SOURCE read now
+    return load_source(SOURCE, ABI_VERSION, "kvlab_abi_version", "CPU decode attention runs")  # SOURCE read now
 
 
 @lru_cache(maxsize=None)
 def load_linear_library() -> ctypes.CDLL | None:
     """The compiled small-batch linear kernel (linear.cpp), or None after one warning."""
-    return load_source(LINEAR_SOURCE, LINEAR_ABI_VERSION, "kvlab_linear_abi_version", "CPU linear layers")
+    return load_source(LINEAR_SOURCE, LINEAR_ABI_VERSION, "kvlab_linear_abi_version", "CPU linear layers run")
 
 
 def load_source(source: Path, abi_version: int, abi_symbol: str, what: str) -> ctypes.CDLL | None:
     """`source` compiled (built first when missing) and checked by its `abi_symbol()`, or None after one
-    warning saying that `what` runs the torch reference."""
+    warning saying that `what` (a subject and its verb) the torch reference."""
     cxx = compiler()
     if cxx is None:
-        warnings.warn(f"kvlab: no C++ compiler (g++) found: {what} run the torch reference",
+        warnings.warn(f"kvlab: no C++ compiler (g++) found: {what} the torch reference",
                       RuntimeWarning, stacklevel=2)
         return None
     try:
@@ -110,7 +110,7 @@ def load_source(source: Path, abi_version: int, abi_symbol: str, what: str) -> c
         if found != abi_version:
             raise RuntimeError(f"{target} has ABI {found}, expected {abi_version}")
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"kvlab: CPU kernels unavailable ({e}): {what} run the torch reference",
+        warnings.warn(f"kvlab: CPU kernels unavailable ({e}): {what} the torch reference",
                       RuntimeWarning, stacklevel=2)
         return None
     return lib
