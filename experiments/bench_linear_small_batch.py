@@ -30,9 +30,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_throughput import REPO, log, metadata, provenance, save, table
 
 from kvlab.kernels.cpu import linear as cpu_linear
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 SHAPES = {"576x576": (576, 576), "192x576": (192, 576), "1536x576": (1536, 576), "3072x576": (3072, 576),
           "576x1536": (576, 1536), "49152x576": (49152, 576)}  # name: (N out, K in); q/o, k/v, gate|up, fused, down, lm_head
