@@ -76,10 +76,13 @@ def drained(llm: LLM, name: str) -> None:
     assert len(bm.allocator.free_blocks) + (pc.num_parked if pc else 0) == bm.num_blocks
 
 
-@pytest.mark.parametrize("prefix", ["hash", "radix"])
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_each_path_gives_what_it_gives_alone(policy, prefix):
-    both = make(policy, True, prefix)
+# 8-token steps: a continuation's later chunks must not stop where the prefix statistics of a prompt would be kept
+CASES = [(p, i, 512) for p in sorted(POLICIES) for i in ("hash", "radix")] + [("h2o", "hash", 8)]
+
+
+@pytest.mark.parametrize("policy, prefix, budget", CASES)
+def test_each_path_gives_what_it_gives_alone(policy, prefix, budget):
+    both = make(policy, True, prefix, max_num_batched_tokens=budget)
     chunks = spy_chunks(both)
     out = run(both)
     st = both.engine.stats()
@@ -90,9 +93,11 @@ def test_each_path_gives_what_it_gives_alone(policy, prefix):
     for key in turn_b.keys:  # B's turn holds the shared cached pages of the system prompt it was built on
         assert all(pc.is_registered(p) and a.num_owners(p) >= 1 for p in a.block_table(key)[:3])
 
-    prefix_only = make(policy, False, prefix)  # the prefix path: A (no hit), B (a hit on A's pages)
+    # the prefix path alone: A (no hit), B (a hit on A's pages)
+    prefix_only = make(policy, False, prefix, max_num_batched_tokens=budget)
     assert run(prefix_only)[:2] == out[:2]
-    turns_only = make(policy, True, None)  # the kept-turn path: C, D on the same kept turns
+    # the kept-turn path alone: C and D on the same kept turns
+    turns_only = make(policy, True, None, max_num_batched_tokens=budget)
     chunks_alone = spy_chunks(turns_only)
     assert run(turns_only, pin=48) == out
     assert kept_lengths(turns_only) == kept_lengths(both)  # a continuation recompresses its history: nothing protected
@@ -115,7 +120,8 @@ def test_a_continuation_registers_nothing(prefix):
     assert both.engine.block_manager.num_cached_tokens(both.engine.make_sequence(again, GREEDY)) == 48
     alone = make("snapkv", False, prefix)  # the same cached pages: A's
     alone.generate([A], GREEDY)
-    assert both.generate([again], GREEDY)[0].outputs[0].token_ids == alone.generate([again], GREEDY)[0].outputs[0].token_ids
+    out = [llm.generate([again], GREEDY)[0].outputs[0].token_ids for llm in (both, alone)]
+    assert out[0] == out[1]
     drained(both, prefix)
 
 
