@@ -138,3 +138,28 @@ def test_a_packed_format_keeps_both_rules(quant, prefix):
     assert run(make("snapkv", True, None, quant=quant))[2] == out[2]
     drained(both, f"{quant}/{prefix}")
     assert both.engine.stats().get("residual_early_seals", 0) == 0
+
+
+def test_the_table_runs_it_under_the_two_deviations_it_has():
+    """No refusal applies; it runs under the kept-turn deviation and (with prefix_keep_shared) the shared-pages one."""
+    from kvlab.testing.combinations import verdict
+
+    for index in ("hash", "radix"):
+        why, deviating = verdict(policy="snapkv", policy_args=POLICIES["snapkv"], reuse_compressed=True,
+                                 enable_prefix_caching=True, prefix_cache=index)
+        assert why is None
+        assert {d.name for d in deviating} == {"reusing compressed turns",
+                                               "prefix caching with a compressing policy keeping shared pages whole"}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("index", ["hash", "radix"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_combination_suite_runs_it(policy, index):
+    """kvlab.testing.check_combination: the checks its deviations do not excuse hold (drafts exact, nothing left)."""
+    from kvlab.testing import check_combination
+
+    got = check_combination(policy=policy, policy_args=POLICIES[policy], reuse_compressed=True,
+                            enable_prefix_caching=True, prefix_cache=index, draft="ngram", draft_args={"num_tokens": 3})
+    assert got.startswith("runs outside the contract: prefix caching with a compressing policy keeping shared pages "
+                          "whole; reusing compressed turns; "), got
