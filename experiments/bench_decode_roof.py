@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"), ("batch", "batch"),
            ("context", "context"), ("step_ms", "step ms (median)"), ("tok_s", "tok/s"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
-ABI_VERSION = 1  # kvlab_abi_version() of decode_attention.cpp
+ABI_VERSION = 2  # kvlab_abi_version() of decode_attention.cpp
 
 
 def cache_dir() -> Path:

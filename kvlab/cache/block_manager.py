@@ -176,8 +176,7 @@ class BlockManager:
     def capacity_error(self, seq: Sequence) -> str | None:
         """Why `seq` could never run alone in this pool, or None."""
         a = self.allocator
-        need = sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
-                                    self._footprint(g, seq.max_len))) for g in self.groups)
+        need, rows = self._peak(seq)
         if need <= a.usable_blocks:
             return None
         reserved = a.reservation(seq.num_tokens, seq.max_len)
@@ -193,9 +192,35 @@ class BlockManager:
             fix = "raise kv_cache_memory or lower max_tokens / max_model_len"
         if len(self.groups) > 1:
             what += f", in {len(self.groups)} layer groups"
+        if rows:
+            what += (f"; with the residual rows of its open pages, {rows} x {self.rows.pages_per_row} pages at its "
+                     f"peak, one token a step")
+            fix += " or quant_args.residual"
         reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
         return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
                 f"{a.usable_blocks}{reserve}; {fix}")
+
+    def _tables_at(self, seq: Sequence, length: int) -> int:
+        """Blocks `seq`'s tables take at `length` tokens (at least what the allocator reserves at admission)."""
+        a = self.allocator
+        return sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
+                                    self._footprint(g, length))) for g in self.groups)
+
+    def _peak(self, seq: Sequence) -> tuple[int, int]:
+        """(blocks, residual rows) `seq` needs at its peak alone in the pool: its tables at max_len; with leased
+        rows, the most its tables and their rows (RowClaims.lone_rows) take while it computes one token a step,
+        as the scheduler lets a lone sequence whose chunk's rows do not fit (its chunk is halved). That most is
+        reached writing one of the last `block_size` cache indices it writes (`block_size` tokens later, each
+        group holds a page more and no fewer rows); the last is max_len - 2 (its last token is sampled, never
+        written; a scoring request's is not computed)."""
+        if self.rows is None:
+            return self._tables_at(seq, seq.max_len), 0
+        k, last = self.rows.pages_per_row, max(seq.max_len - 2, seq.num_tokens_to_compute - 1, 0)
+        peak = (0, 0)
+        for length in range(max(0, last - self.block_size + 1), last + 1):
+            rows = sum(self.rows.lone_rows(length, group.sliding_window) for group in self.groups)
+            peak = max(peak, (self._tables_at(seq, length + 1) + rows * k, rows))
+        return peak
 
     # -- prefix caching ----------------------------------------------------------
     def _salt(self, seq: Sequence) -> bytes:
@@ -408,17 +433,19 @@ class BlockManager:
         tokens = self.rows.pages_per_row * self.block_size
         return [(tokens, tokens)] * rows
 
-    def can_allocate(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
-        """Whether `seq`'s first chunk fits, its prefix `hit` (looked up here when not given) shared."""
-        if self.rows is not None:  # its first chunk opens at most a window of pages per group
-            pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
+    def can_allocate(self, seq: Sequence, hit: PrefixHit | None = None, num_new_tokens: int | None = None) -> bool:
+        """Whether `seq`'s first chunk of `num_new_tokens` (None: as many as a step computes) fits, its prefix
+        `hit` (looked up here when not given) shared."""
         if hit is not None and hit.turn is not None:
             return self._can_allocate_turn(seq, hit)
+        hit = hit or self.lookup_prefix(seq)  # (no hit without a prefix cache)
+        if self.rows is not None:  # the rows its first chunk opens, in every group
+            pending = self._claimed_rows + len(self.groups) * self._first_rows(seq, hit.tokens, num_new_tokens)
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
                 [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
                 + (self._lease_requests(pending) if self.rows is not None else []))
-        hit, nodes = self._checked(seq, hit or self.lookup_prefix(seq))
+        hit, nodes = self._checked(seq, hit)
         a, need = self.allocator, 0
         for g, group in enumerate(self.groups):
             cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
@@ -432,6 +459,13 @@ class BlockManager:
         if self.rows is not None:
             need += pending * self.rows.pages_per_row
         return need <= a.num_admissible_blocks
+
+    def _first_rows(self, seq: Sequence, start: int, num_new_tokens: int | None) -> int:
+        """Rows per group a first chunk of `num_new_tokens` after the hit's `start` tokens leases (None: the most
+        any chunk of up to a step's tokens does)."""
+        if num_new_tokens is None:
+            return self.rows.most_first_rows(start, min(seq.num_tokens - start, self.max_chunk))
+        return self.rows.first_rows(start, num_new_tokens)
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Tables for `seq`: the pages of its prefix `hit` (from `lookup`; none when not given), whose

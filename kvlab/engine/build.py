@@ -74,7 +74,7 @@ class PrivatePool:
                 bm.append(seq, n)
                 return True
             return False
-        if bm.can_allocate(seq):
+        if bm.can_allocate(seq, None, n):
             bm.allocate(seq, n)
             return True
         return False

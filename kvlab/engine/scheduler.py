@@ -85,7 +85,8 @@ class Scheduler:
             if n > seq.num_uncomputed_tokens and not self.block_manager.can_append(seq, n):
                 n = seq.num_uncomputed_tokens  # no room for tentative draft slots: decode plainly, preempt no one
             seq.keep_draft_tokens(n)  # draft tokens count against the token budget
-            if not self._make_room(seq, n, batch):
+            n = self._make_room(seq, n, batch)
+            if not n:
                 continue  # seq itself was preempted; running[i] is now the next one
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
@@ -99,10 +100,9 @@ class Scheduler:
                 hit = self.block_manager.lookup_prefix(seq)  # a kept compressed turn that does not fit: the prefix
                 # index's hit, or compute it all (its pages count as free, the pool drops kept turns for room),
                 # rather than wait on the turn
-            if not self.block_manager.can_allocate(seq, hit):
+            n = self._first_chunk(seq, hit, budget)
+            if not n:
                 break
-            seq.num_computed_tokens = hit.tokens
-            n = self._chunk(seq, budget, hit)
             self.block_manager.allocate(seq, n, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -130,16 +130,34 @@ class Scheduler:
                 n = min(n, point - seq.num_computed_tokens)
         return n
 
-    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Preempt from the back of `running` until `seq` can grow by `n`; False if `seq` went itself."""
+    def _first_chunk(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
+        """Tokens waiting `seq` computes in its first chunk if the pool admits it now, its computed tokens set
+        to the hit's; 0 if it waits. Into an empty pool a chunk whose residual rows do not fit is halved until
+        they do (kvlab.cache.quant.lease: what the rows of a chunk take depends on its length)."""
+        before, seq.num_computed_tokens = seq.num_computed_tokens, hit.tokens
+        n = self._chunk(seq, budget, hit)
+        while not self.block_manager.can_allocate(seq, hit, n):
+            if self.running or n <= 1:
+                seq.num_computed_tokens = before
+                return 0
+            n //= 2
+        return n
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
+        """Preempt from the back of `running` until `seq` can grow by `n`, or, once it runs alone, halve `n` (a
+        chunk's residual rows may not fit where its tokens one at a time do: the block manager's capacity_error
+        counts those); the tokens it computes, 0 if `seq` went itself."""
         while not self.block_manager.can_append(seq, n):
+            if n > 1 and len(self.running) == 1 and self.running[0] is seq:
+                n //= 2
+                continue
             victim = self.running[-1]
             self.preempt(victim)
             batch.num_preempted += 1
             batch.preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return n
 
     def defer(self, seq: Sequence) -> None:
         """A sample whose tables could not be forked now: it waits first in line and computes its tokens
