@@ -230,8 +230,10 @@ class Compressor:
         """With kept prefix statistics, the page boundary before the prompt's last token (where a later request
         with this prompt hits: `lookup` never takes the last token), at which a chunk must end so the running
         totals there can be kept; None once past it, without prefix statistics, or with when="chunk" (a chunk
-        end is a compression there: the totals are kept only where a chunk ends on a page boundary anyway)."""
-        if self.prefix_mass is None or self.policy.when == "chunk":
+        end is a compression there: the totals are kept only where a chunk ends on a page boundary anyway), or
+        for a sequence that registers nothing (admitted onto a kept turn; the scheduler asks no point for its
+        first chunk either: kvlab.engine.scheduler.Scheduler.stats_at)."""
+        if self.prefix_mass is None or self.policy.when == "chunk" or not self.bm.registers(seq):
             return None
         point = (_prompt_end(seq) - 1) // self.bm.block_size * self.bm.block_size
         return point if seq.num_computed_tokens < point else None

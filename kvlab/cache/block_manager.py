@@ -12,7 +12,8 @@ group, a number of cached slots with the table that maps them to pages. The two 
 policy compacts a group (fewer slots than tokens) or speculation appends tentative slots (more).
 
 A finished compacted request's tables may be kept for its conversation's next turn (kept turns:
-kvlab/cache/kept_turns.py, owned by the allocator; `keep_turn`, and `lookup` finds them).
+kvlab/cache/kept_turns.py, owned by the allocator; `keep_turn`, and `lookup` finds them: a kept turn whose
+tokens start the prompt wins, else the prefix index's hit).
 
 This is the only door into the pages: the runner asks it for tables, lengths and slot mappings; the
 scheduler for admission and growth; policies for release and compaction; speculation for rollback.
@@ -106,7 +107,9 @@ class BlockManager:
                                  f"does not support it yet")
         allocator.prefix_cache = prefix_cache  # its one owner: the pool parks, evicts and hands out its pages
         # a compressing policy reads the queries of a prompt's last `recompute_tail` tokens: a hit stops before them
+        # (with a residual window, before the window too); a kept-turn hit stops before the policy's (`turn_tail`)
         self.recompute_tail = 0
+        self.turn_tail = 0
         # a hit's pages shared and kept whole under compaction (protected_slots); False: copied at admission
         # (the request compresses its own copy as without caching: EngineConfig.prefix_keep_shared)
         self.keep_shared = True
@@ -124,6 +127,7 @@ class BlockManager:
         # kept compressed turns (allocator.kept_turns): a request admitted onto one hands its state to the compressor
         self.on_turn_hit: Callable[[Sequence, object], None] | None = None
         self._compacted: set[int] = set()  # sequences whose cache indices no longer follow positions
+        self._on_turn: set[int] = set()  # sequences admitted onto a kept turn (and their forks): nothing protected
         # a packed format's residual rows leased from free pages (kvlab.cache.quant.lease.RowClaims; None: no rows):
         # the rows this step's writes will lease, claimed as the step is scheduled, stay free
         self.rows: RowClaims | None = None
@@ -224,12 +228,19 @@ class BlockManager:
         return request_salt(seq.params.cache_salt)
 
     def lookup(self, seq: Sequence) -> PrefixHit:
+        """What `seq` starts from, by one rule: a kept compressed turn whose tokens start its prompt
+        (`lookup_turn`) wins when there is one; else the prefix index's hit (`lookup_prefix`). No hit without
+        kept turns or a prefix cache."""
+        if self.kept_turns is not None:
+            hit = self.lookup_turn(seq)
+            if hit.turn is not None:
+                return hit
+        return self.lookup_prefix(seq)
+
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
         """The tokens of `seq`'s prompt found in the prefix cache (never its last token to compute, nor
         past a scoring request's context end) and the nodes of their blocks: whole blocks, then
-        (prefix_match="token") the leading tokens of one more cached block; or a kept compressed turn
-        (`lookup_turn`). No hit without a prefix cache or kept turns."""
-        if self.kept_turns is not None:
-            return self.lookup_turn(seq)
+        (prefix_match="token") the leading tokens of one more cached block. No hit without a prefix cache."""
         if self.prefix_cache is None:
             return PrefixHit(seq.seq_id)
         bs, last = self.block_size, seq.num_tokens_to_compute - 1
@@ -263,10 +274,11 @@ class BlockManager:
 
     def lookup_turn(self, seq: Sequence) -> PrefixHit:
         """The longest kept compressed turn whose tokens start `seq`'s prompt, leaving the policy's observation
-        window (`recompute_tail`) and the prompt's last token to compute; no hit for a scoring request."""
+        window (`turn_tail`: with prefix caching off or on alike) and the prompt's last token to compute; no hit
+        for a scoring request."""
         if seq.is_scoring or not self.kept_turns:
             return PrefixHit(seq.seq_id)
-        limit = min(seq.num_tokens_to_compute - 1, seq.num_prompt_tokens - self.recompute_tail)
+        limit = min(seq.num_tokens_to_compute - 1, seq.num_prompt_tokens - self.turn_tail)
         turn_id, turn = self.kept_turns.match(seq.token_ids, self._salt(seq), limit)
         return PrefixHit(seq.seq_id) if turn is None else PrefixHit(seq.seq_id, len(turn.tokens), (), turn_id)
 
@@ -323,6 +335,7 @@ class BlockManager:
             self._claimed_rows += open_copies + sum(self.rows.new_rows(a.block_table(k), n, num_tokens)
                                                     for k, n in zip(self._keys(seq), before))
         self._compacted.add(seq.seq_id)
+        self._on_turn.add(seq.seq_id)
         self._hits[seq.seq_id] = (hit.tokens, set())
         if self.on_turn_hit is not None:
             self.on_turn_hit(seq, turn.state)
@@ -443,14 +456,15 @@ class BlockManager:
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching)."""
-        return self.lookup(seq).tokens
+        return self.lookup_prefix(seq).tokens
 
     def commit(self, seq: Sequence) -> None:
         """`seq`'s computed tokens are final: register its full pages in the prefix cache (none once a
-        policy compacted it: its cache indices no longer follow token positions). Only tokens already in
+        policy compacted it, or it was admitted onto a kept turn: its cache indices no longer follow token
+        positions, and what it computes attended to a compressed history). Only tokens already in
         `token_ids` are hashed: after a verify step the accepted drafts are computed before the engine
         appends them; the engine commits again once it has (LLMEngine._postprocess)."""
-        if self.prefix_cache is not None and seq.seq_id not in self._compacted:
+        if self.registers(seq):
             self.prefix_cache.commit(seq.seq_id, seq.token_ids, self._committed(seq), self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
 
@@ -481,7 +495,7 @@ class BlockManager:
         `hit` (looked up here when not given) shared."""
         if hit is not None and hit.turn is not None:
             return self._can_allocate_turn(seq, hit)
-        hit = hit or (self.lookup(seq) if self.prefix_cache is not None else PrefixHit(seq.seq_id))
+        hit = hit or self.lookup_prefix(seq)  # (no hit without a prefix cache)
         if self.rows is not None:  # the rows its first chunk opens, in every group
             pending = self._claimed_rows + len(self.groups) * self._first_rows(seq, hit.tokens, num_new_tokens)
         if self.prefix_cache is None:
@@ -494,6 +508,8 @@ class BlockManager:
             cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
             need += max(a.blocks_for(self._footprint(group, seq.num_tokens)) - len(cached), 0)
             need += sum(1 for p in cached if a.is_parked(p))  # taking a parked page back uses up a free one
+            if self.kept_turns is not None:  # as does one only kept turns hold (it counted as free)
+                need += len(a.kept_only(cached))
             if not self.keep_shared:  # every cached page is copied at admission: as many fresh pages
                 need += len(cached)
             need += 1 if hit % self.block_size else 0  # a partly used cached page is copied before writing
@@ -575,7 +591,7 @@ class BlockManager:
             self.allocator.append_slots(key, num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.seq_id not in self._compacted:  # the radix tree keeps the last page
+        if self.registers(seq):  # the radix tree keeps the last page
             self.prefix_cache.retire(seq.seq_id, seq.token_ids, self._committed(seq), self._salt(seq),
                                      [self.allocator.block_table(k) for k in self._keys(seq)])
         for key in self._keys(seq):
@@ -584,6 +600,7 @@ class BlockManager:
             self.prefix_cache.forget_sequence(seq.seq_id)
         self._hits.pop(seq.seq_id, None)
         self._compacted.discard(seq.seq_id)
+        self._on_turn.discard(seq.seq_id)
         if self.on_free is not None:
             self.on_free()
 
@@ -601,6 +618,8 @@ class BlockManager:
             self._hits[child.seq_id] = self._hits[parent.seq_id]
         if parent.seq_id in self._compacted:
             self._compacted.add(child.seq_id)
+        if parent.seq_id in self._on_turn:
+            self._on_turn.add(child.seq_id)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the last `num_tokens` slots of every group (rejected speculative tokens)."""
@@ -632,8 +651,10 @@ class BlockManager:
         in the leading pages it shares, held by another table too or taken from the prefix cache at
         admission (0 without prefix caching). Pages `seq` computed and registered itself, held by no one
         else, are not protected: compacting them copies the survivors out, the originals stay cached.
-        Without `keep_shared` a hit's pages were copied at admission: nothing is protected."""
-        if self.prefix_cache is None or not self.keep_shared:
+        Without `keep_shared` a hit's pages were copied at admission: nothing is protected; nor for a sequence
+        admitted onto a kept turn (its whole history is recompressed, as without prefix caching, though every
+        page it forked from the turn is held by the turn too)."""
+        if self.prefix_cache is None or not self.keep_shared or seq.seq_id in self._on_turn:
             return 0
         key = self.key(seq, group)
         table, n = self.allocator.block_table(key), self.allocator.num_tokens(key)
@@ -644,10 +665,15 @@ class BlockManager:
             k += 1
         return min(k * self.block_size, n)
 
+    def registers(self, seq: Sequence) -> bool:
+        """Will `seq`'s computed pages be registered in the prefix cache (prefix caching on, never compacted: not
+        admitted onto a kept turn, whose pages hold K/V that attended to a compressed history)?"""
+        return self.prefix_cache is not None and seq.seq_id not in self._compacted
+
     def registered_node(self, seq: Sequence, num_tokens: int) -> Node | None:
         """The prefix-cache node of `seq`'s block ending at token `num_tokens` (a page boundary), if `seq` still
         registers (never compacted) and that block is registered in every group; else None."""
-        if self.prefix_cache is None or seq.seq_id in self._compacted or not num_tokens or num_tokens % self.block_size:
+        if not self.registers(seq) or not num_tokens or num_tokens % self.block_size:
             return None
         chain = self.prefix_cache.chains.get(seq.seq_id, [])
         k = num_tokens // self.block_size

@@ -14,6 +14,11 @@ like any table's. A page only kept turns hold counts as free (`PagedAllocator.nu
 pool runs out of free pages the allocator drops the least recently used turn (`evict`) and frees its
 tables. A turn also goes when more than `capacity` are kept. Nothing else drops one: a turn that was
 hit stays, the next turn of the conversation keeps its own.
+
+With prefix caching beside the store, a request takes a kept turn when one matches, else the prefix index's
+hit (`BlockManager.lookup`); a request admitted onto a turn registers nothing (its K/V attended to a compressed
+history). A turn whose request hit the prefix cache holds the registered pages it kept in place: held by a
+table, they are never parked nor evicted; dropping the turn parks them, findable.
 """
 
 from __future__ import annotations

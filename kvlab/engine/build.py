@@ -157,8 +157,6 @@ def chunk_end(compressor, cache: KVCache) -> Callable[[Sequence], int | None]:
     the first pass did."""
     def stop_at(seq: Sequence) -> int | None:
         point = compressor.next_point(seq) if compressor else None
-        kept = compressor.stats_point(seq) if compressor else None  # where a prefix's attention mass is kept
-        point = kept if point is None or (kept is not None and kept < point) else point
         if cache.sparse_read is not None and not seq.is_scoring:
             done = seq.num_computed_tokens
             drafts = len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0  # a verify step
@@ -285,8 +283,8 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
     bm.rows = row_claims(cache.area, quant.residual or 0)
     if isinstance(policy, SparseReadPolicy):  # decode reads only the pages the policy selects
         cache.sparse_read = SparseRead(policy, cache, config.block_size, num_kv_heads, head_dim, dtype, config.device)
-    if policy.compresses:  # a prefix hit leaves the policy's observation window to compute
-        bm.recompute_tail = policy.query_window
+    if policy.compresses:  # a prefix hit (and a kept-turn hit) leaves the policy's observation window to compute
+        bm.recompute_tail = bm.turn_tail = policy.query_window
         bm.keep_shared = config.prefix_keep_shared
     if config.reuse_compressed:  # finished compressed turns kept for the next (kvlab/cache/kept_turns.py)
         bm.allocator.kept_turns = KeptTurns(len(groups), config.reuse_compressed_max_turns)
@@ -339,6 +337,8 @@ def build(config, loaded: LoadedModel | None = None) -> Parts:
         bm.on_turn_hit = compressor.seed_turn
     if compressor or cache.sparse_read is not None:
         scheduler.stop_at = chunk_end(compressor, cache)
+    if compressor and compressor.prefix_mass is not None:  # where a prefix's attention mass is kept
+        scheduler.stats_at = compressor.stats_point
     parts = Parts(config, policy, quant, draft, caps, model, loaded.tokenizer, mc, max_model_len, bos, eos,
                   per_block, bm, cache, kv, scheduler,
                   ModelRunner(model, kv, config.device, config.batch_invariant), compressor,

@@ -130,12 +130,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and not c.compacts,
             lambda c: f"reuse_compressed keeps the compressed cache of a finished request, and policy {c.policy!r} "
                       f"compresses nothing: use enable_prefix_caching to reuse uncompressed pages"),
-    Refusal("reusing compressed turns with prefix caching",
-            "a kept turn and the prefix cache would both claim a request's leading pages",
-            lambda c: c.reuses_compressed_turns and c.prefix_caching,
-            lambda c: "reuse_compressed with enable_prefix_caching is not supported yet (a hit on a kept compressed "
-                      "turn and one on registered pages would both claim the request's leading tokens, and shared "
-                      "pages would be protected from recompression): use one of the two"),
     Refusal("reusing compressed turns with a non-paged allocator", "a kept turn's pages are shared by reference",
             lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
             lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
@@ -172,9 +166,10 @@ DEVIATIONS: list[Deviation] = [
               "with reuse_compressed a request whose prompt starts with a finished request's prompt + output "
               "continues from that request's compressed cache (its kept slots and the policy's totals; with a packed "
               "format its codes and its open pages' residual rows, with sparse reading its page summaries, as "
-              "they were when it finished) and computes only its new tokens, where without the kept turn it computes and compresses its whole prompt: what it "
-              "keeps, and so its output, depends on whether the turn was still kept when it was admitted (evicted "
-              "under pool pressure, or past reuse_compressed_max_turns, or not fitting the pool then)",
+              "they were when it finished) and computes only its new tokens, where without the kept turn it computes "
+              "and compresses its whole prompt (with prefix caching, after the prefix index's hit): what it keeps, "
+              "and so its output, depends on whether the turn was still kept when it was admitted (evicted under pool "
+              "pressure, or past reuse_compressed_max_turns, or not fitting the pool then)",
               lambda c: c.reuses_compressed_turns and c.compacts, ("prefix hits", "schedule")),
     Deviation("a rounding format under a changing schedule",
               "K/V computed in a pass of another shape differ in their last bits, which the format's rounding "

@@ -22,6 +22,9 @@ chunk (the block manager admits it on that footprint).
 runs past a sequence's next compression point (its prompt's end; with when="decode" every `every`
 tokens after it), so a recompute compresses at the tokens the first pass did and rebuilds exactly
 what it kept; under sparse reading a recompute's generated tokens are computed one a step, as decodes.
+`stats_at` (`Compressor.stats_point`, with accumulated attention kept beside the prefix cache's pages): a
+prompt's chunk also ends at the page boundary where its prefix's statistics are kept, unless it was admitted
+onto a kept compressed turn (it registers nothing: its chunks are those it gets without prefix caching).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk  # None: a prompt's chunk is bounded by the step's budget only
         self.stop_at = stop_at  # seq -> computed-token count its chunk must not pass (None: no limit)
+        self.stats_at: Callable[[Sequence], int | None] | None = None  # seq -> where its prefix statistics are kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -99,8 +103,9 @@ class Scheduler:
             seq = self.waiting[w]
             hit = self.block_manager.lookup(seq)  # a prefix-cache hit (none without prefix caching)
             if hit.turn is not None and not self.block_manager.can_allocate(seq, hit):
-                hit = PrefixHit(seq.seq_id)  # a kept compressed turn that does not fit: compute it all (its
-                # pages count as free, the pool drops kept turns for room), rather than wait on the turn
+                hit = self.block_manager.lookup_prefix(seq)  # a kept compressed turn that does not fit: the prefix
+                # index's hit, or compute it all (its pages count as free, the pool drops kept turns for room),
+                # rather than wait on the turn
             hit = self.block_manager.tier_ready(seq, hit)  # tiers below the pool: its pages read into memory
             if hit is None:  # a page of its hit is still being read: it waits (as for a page not yet
                 w += 1  # allocated), the sequences behind it may run
@@ -116,19 +121,23 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, hit: PrefixHit | None = None) -> int:
         """Tokens `seq` computes this step: its chunk limit within the step's budget; with
         `max_prefill_chunk`, at most that many when it has a prompt (or a recompute) to compute, never
         past the prompt's end (a recompute chunks its prompt as the first pass did), and any decode;
-        never past the sequence's next compression point (`stop_at`)."""
+        never past the sequence's next compression point (`stop_at`), nor, unless it is being admitted onto a
+        kept turn (`hit`), past where its prefix statistics are kept (`stats_at`)."""
         n = min(seq.chunk_limit(), budget)
         if self.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
             n = min(n, self.max_prefill_chunk)
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 n = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        point = self.stop_at(seq) if self.stop_at is not None else None
-        if point is not None:
-            n = min(n, point - seq.num_computed_tokens)
+        points = [self.stop_at(seq) if self.stop_at is not None else None]
+        if self.stats_at is not None and (hit is None or hit.turn is None):
+            points.append(self.stats_at(seq))
+        for point in points:
+            if point is not None:
+                n = min(n, point - seq.num_computed_tokens)
         return n
 
     def _first_chunk(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
@@ -136,7 +145,7 @@ class Scheduler:
         to the hit's; 0 if it waits. Into an empty pool a chunk whose residual rows do not fit is halved until
         they do (kvlab.cache.quant.lease: what the rows of a chunk take depends on its length)."""
         before, seq.num_computed_tokens = seq.num_computed_tokens, hit.tokens
-        n = self._chunk(seq, budget)
+        n = self._chunk(seq, budget, hit)
         while not self.block_manager.can_allocate(seq, hit, n):
             if self.running or n <= 1:
                 seq.num_computed_tokens = before

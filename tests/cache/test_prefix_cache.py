@@ -9,6 +9,11 @@ holds that sequence's tokens[: i + 1] (what its KV depends on). Every slot a liv
 attend to must hold its own prefix, so a stale hit (a page reused for other content), a false hit
 (a colliding hash), or a write seen through a shared page (copy-on-write broken) all fail it. After a
 compaction a table's cache index i holds the token the policy kept there (`Shadow.positions`).
+
+With kept compressed turns beside the index (EngineConfig.reuse_compressed), a third property run finishes
+compacted sequences into kept turns and continues conversations from them (one lookup: a kept turn wins, else
+the index); a turn's tables are checked as a sequence's are, and no page a continuation computed after a
+compressed history may be registered (every registered page must hold its block's uncompressed prefix).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from hypothesis import strategies as st
 
 from kvlab.cache.allocators import NULL_BLOCK, PagedAllocator
 from kvlab.cache.block_manager import BlockManager, LayerGroup
+from kvlab.cache.kept_turns import KeptTurns
 from kvlab.cache.prefix_cache import PrefixCache, chain_hash, request_salt
 from kvlab.cache.radix_cache import RadixCache
 from kvlab.registry import PREFIX_EVICTIONS
@@ -64,6 +70,8 @@ class Shadow:
 
     def admit(self, seq: Sequence, chunk: int) -> bool:
         hit = self.bm.lookup(seq)
+        if hit.turn is not None and not self.bm.can_allocate(seq, hit):
+            hit = self.bm.lookup_prefix(seq)  # as the scheduler does: a kept turn that does not fit
         if not self.bm.can_allocate(seq, hit):
             return False
         seq.num_computed_tokens = hit.tokens
@@ -71,9 +79,25 @@ class Shadow:
         n = min(chunk, seq.num_uncomputed_tokens)
         assert n >= 1  # the last prompt token is always computed
         self.bm.allocate(seq, n, hit)
+        if hit.turn is not None:  # the turn's compacted tables: cache index i holds the turn's positions[i]
+            turn = self.bm.kept_turns.entries[hit.turn]
+            for g in self.bm.full_groups:
+                self.positions[self.bm.key(seq, g)] = list(self.turn_positions(turn, g))
         self.live.append(seq)
         self._compute(seq, n)
         return True
+
+    def turn_positions(self, turn, g: int) -> list[int]:
+        return self.positions.get(turn.keys[g], range(self.bm.allocator.num_tokens(turn.keys[g])))
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` finished: its compacted tables kept as a turn (LLMEngine._finish), then freed."""
+        if self.bm.keep_turn(seq):
+            turn = next(reversed(self.bm.kept_turns.entries.values()))
+            for g in self.bm.full_groups:
+                if self.bm.key(seq, g) in self.positions:
+                    self.positions[turn.keys[g]] = list(self.positions[self.bm.key(seq, g)])
+        self.free(seq)
 
     def step(self, seq: Sequence, chunk: int, token: int) -> bool:
         if seq.num_uncomputed_tokens == 0:
@@ -124,11 +148,14 @@ class Shadow:
             keep = [i for i in range(n) if i not in gone]
             if len(keep) == n:
                 continue
+            evictions = bm.prefix_cache.stats.evictions
             moves = bm.compact(seq, g, keep)
             assert a.block_table(key)[: protected // bs] == table[: protected // bs]  # shared pages stay in place
             values = [self.content[src // bs][src % bs] for src, _ in moves]  # every read before any write
+            # a cached page only this table held may be let go, evicted and taken again as a destination (unregistered)
+            evicted = bm.prefix_cache.stats.evictions > evictions
             for (_, dst), value in zip(moves, values):
-                assert dst // bs not in held and a.num_owners(dst // bs) == 1
+                assert (dst // bs not in held or evicted) and a.num_owners(dst // bs) == 1
                 assert not bm.prefix_cache.is_registered(dst // bs)
                 self.content.setdefault(dst // bs, [None] * bs)[dst % bs] = value
             old = self.positions.get(key, list(range(n)))
@@ -169,6 +196,11 @@ class Shadow:
                     page = table[i // bs]
                     assert page != NULL_BLOCK
                     assert self.content[page][i % bs] == tuple(seq.token_ids[: i + 1]), (seq, g, i)
+        for turn in (bm.kept_turns.entries.values() if bm.kept_turns is not None else ()):
+            for g in bm.full_groups:  # a kept turn's table holds the tokens it kept, in the pages it holds
+                table = a.block_table(turn.keys[g])
+                for i, pos in enumerate(self.turn_positions(turn, g)):
+                    assert self.content[table[i // bs]][i % bs] == turn.tokens[: pos + 1], (turn.keys[g], i)
         for page, (node, _) in pc.page_node.items():  # every registered page holds its block's prefix
             prefix, n = [], node
             while n is not None:
@@ -267,9 +299,111 @@ def test_random_operations_with_compactions_keep_pages_and_contents_consistent(m
     assert shadow.bm.allocator.num_free_blocks == shadow.bm.num_blocks
 
 
+turn_ops = st.one_of(
+    op, compact_op,
+    st.tuples(st.just("finish"), st.integers(0, 99), st.lists(st.integers(0, 20), min_size=1, max_size=6)),
+    st.tuples(st.just("continue"), st.integers(0, 99), st.lists(st.integers(1, 3), min_size=1, max_size=4),
+              st.integers(1, 4)),
+)
+
+
+@pytest.mark.parametrize("match", ["page", "radix"])
+@PROPERTY
+@given(ops=st.lists(turn_ops, max_size=40), tail=st.integers(0, 3))
+def test_random_operations_with_kept_turns_keep_pages_and_contents_consistent(match, ops, tail):
+    """Kept compressed turns beside the prefix index (reuse_compressed with prefix caching): compacted sequences
+    finish into kept turns, conversations continue from them (a kept turn wins the lookup, else the index; a turn
+    that does not fit gives way to the index's hit), the pool drops turns under pressure. Reference counts, no
+    leak, no write into a shared or cached page, every kept turn and sequence reading what it kept, and every
+    registered page holding its block's uncompressed prefix (a continuation registers nothing); dropping every
+    turn leaves only free and cached-free pages."""
+    shadow = Shadow(make_manager(GROUPS, num_blocks=14, block_size=4, radix=match == "radix"))
+    bm = shadow.bm
+    bm.allocator.kept_turns = KeptTurns(len(GROUPS), capacity=3)
+    bm.recompute_tail = bm.turn_tail = tail
+    for kind, *args in ops:
+        if kind == "add":
+            t, length, extra, chunk = args
+            shadow.admit(shadow.new_seq(TEMPLATES[t][:length] + extra), chunk)
+        elif kind == "continue":
+            turns = list(bm.kept_turns.entries.values())
+            if turns:
+                turn, extra, chunk = turns[args[0] % len(turns)], args[1], args[2]
+                shadow.admit(shadow.new_seq(list(turn.tokens) + extra), chunk)
+        elif shadow.live:
+            seq = shadow.live[args[0] % len(shadow.live)]
+            if kind == "step":
+                shadow.step(seq, args[1], args[2])
+            elif kind == "compact":
+                shadow.compact(seq, args[1])
+            elif kind == "finish":  # compressed (at its prompt's end, say), then finished: kept
+                shadow.compact(seq, args[1])
+                shadow.finish(seq)
+            elif kind == "fork" and seq.num_uncomputed_tokens == 0:
+                child = shadow.fork(seq)
+                if shadow.step(child, 1, args[2]) and seq in shadow.live:
+                    shadow.step(seq, 1, args[1])
+            elif kind == "free":
+                shadow.free(seq)
+        shadow.check()
+    for seq in list(shadow.live):
+        shadow.finish(seq)
+    shadow.check()
+    assert bm.allocator.num_free_blocks == bm.num_blocks
+    while bm.kept_turns:
+        bm.allocator.drop_kept_turn()
+    shadow.check()
+    assert not bm.allocator.tables and len(bm.allocator.free_blocks) + bm.prefix_cache.num_parked == bm.num_blocks
+
+
+def test_a_kept_turn_holds_cached_pages_a_prefix_hit_counts_and_a_continuation_recompresses():
+    """A finished compacted sequence whose leading pages stayed registered (its compaction left them as they were)
+    is kept: the turn holds those pages, so they are neither parked nor evictable, and count as free. A prefix hit
+    on them takes them out of the free count (admission counts them); a continuation of the turn protects nothing
+    (its history is recompressed) and registers nothing."""
+    shadow = Shadow(make_manager([LayerGroup((0,))], num_blocks=8, block_size=4))
+    bm, a = shadow.bm, shadow.bm.allocator
+    bm.allocator.kept_turns = KeptTurns(1, capacity=1)
+    first = shadow.new_seq(list(range(1, 11)))
+    shadow.admit(first, 10)  # registers [1..4] [5..8]
+    shadow.compact(first, [9])  # drops token 10: pages 0 and 1 stay in place, registered
+    shadow.step(first, 1, 11)
+    cached = dict(bm.prefix_cache.page_node)
+    shadow.finish(first)
+    (turn,) = bm.kept_turns.entries.values()
+    held = a.block_table(turn.keys[0])
+    assert set(cached) == set(held[:2]) and all(a.num_owners(p) == 1 for p in held)
+    assert bm.prefix_cache.num_parked == 0 and a.num_free_blocks == 8  # held by the turn alone: free, not parked
+    long = shadow.new_seq(list(range(1, 9)) + [20] * 26)  # 34 tokens: 9 pages, 2 of them the turn's cached ones
+    hit = bm.lookup(long)
+    assert hit.turn is None and hit.tokens == 8
+    assert not bm.can_allocate(long, hit)  # 7 fresh pages + the 2 cached ones (no longer free once taken) > 8
+    third = shadow.new_seq(list(turn.tokens) + [30, 31])
+    hit = bm.lookup(third)
+    assert hit.turn is not None and hit.tokens == len(turn.tokens)  # the kept turn wins the lookup
+    assert shadow.admit(third, 2) and bm.num_hit_tokens(third) == len(turn.tokens)
+    assert bm.protected_slots(third, 0) == 0  # every page is shared with the turn, none is protected
+    shadow.step(third, 1, 32)
+    assert bm.prefix_cache.page_node == cached  # a continuation registers nothing
+    shadow.check()
+    shadow.finish(third)  # its own turn replaces the first (capacity 1), holding the cached pages still
+    assert set(cached) <= set(a.block_table(next(iter(bm.kept_turns.entries.values())).keys[0]))
+    second = shadow.new_seq(list(range(1, 9)) + [20] * 10)  # 18 tokens: 3 fresh pages
+    assert shadow.admit(second, 10) and bm.num_hit_tokens(second) == 8
+    assert bm.protected_slots(second, 0) == 8  # a prefix hit's pages are protected
+    shadow.check()
+    shadow.free(second)
+    while bm.kept_turns:
+        a.drop_kept_turn()
+    shadow.check()
+    assert not a.tables and len(a.free_blocks) + bm.prefix_cache.num_parked == 8
+
+
 def test_the_property_runs_are_derandomised_with_enough_examples():
     for test in (test_random_operations_keep_pages_and_contents_consistent,
-                 test_random_operations_with_compactions_keep_pages_and_contents_consistent):
+                 test_random_operations_with_compactions_keep_pages_and_contents_consistent,
+                 test_random_operations_with_kept_turns_keep_pages_and_contents_consistent):
+
         used = test._hypothesis_internal_use_settings  # the settings hypothesis runs the test with
         assert used.derandomize and used.max_examples >= PROPERTY_EXAMPLES, test.__name__
 

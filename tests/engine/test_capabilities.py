@@ -28,8 +28,6 @@ CASES = {
                                                   dict(allocator="contiguous")),
     "reusing compressed turns without a compressing policy": (dict(reuse_compressed=True),
                                                                dict(reuse_compressed=True, **SNAP)),
-    "reusing compressed turns with prefix caching": (dict(reuse_compressed=True, enable_prefix_caching=True, **SNAP),
-                                                     dict(enable_prefix_caching=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
     "per-head budgets with accumulated attention statistics": (
@@ -125,6 +123,19 @@ def test_sparse_reading_with_a_token_tree_passes_the_table(policy, args):
     assert not [r.name for r in REFUSED if r.applies(caps)]
     with pytest.raises(Exception) as info:  # it gets as far as loading the model
         LLM(MISSING, block_size=16, policy=policy, policy_args=args, draft="tree")
+    assert MISSING in str(info.value), info.value
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_kept_turns_with_prefix_caching_pass_the_table(index):
+    """Once refused (a kept turn and the prefix cache both claimed a request's leading pages): a kept turn wins the
+    lookup, else the prefix index (tests/engine/test_compressed_turns_prefix.py), so nothing in the table applies."""
+    options = dict(reuse_compressed=True, enable_prefix_caching=True, prefix_cache=index, **SNAP)
+    caps = _caps(options)
+    assert caps.reuses_compressed_turns and caps.prefix_caching
+    assert not [r.name for r in REFUSED if r.applies(caps)]
+    with pytest.raises(Exception) as info:  # it gets as far as loading the model
+        LLM(MISSING, block_size=16, **options)
     assert MISSING in str(info.value), info.value
 
 

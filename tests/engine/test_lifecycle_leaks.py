@@ -41,6 +41,7 @@ def leftovers(engine) -> dict[str, int]:
              "samples": len(engine._samples), "groups": len(engine._groups),
              "return_dists": len(engine._return_dists), "metrics": len(engine.metrics._live),
              "tables": len(bm.allocator.tables), "hits": len(bm._hits), "compacted": len(bm._compacted),
+             "on a kept turn": len(bm._on_turn),
              "pages in use": bm.num_used_blocks()}
     found.update(engine.lifecycle.tracked())  # every subscriber: compressor, speculator and draft, engine
     if engine.speculator and hasattr(engine.draft, "_shadows"):
@@ -157,13 +158,15 @@ def test_a_failed_generate_aborts_the_samples_of_a_finished_first_sample(monkeyp
     assert leftovers(engine) == {}
 
 
-@pytest.mark.parametrize("quant, memory", [("int4", "96KiB"), ("fp8_e4m3", "32KiB")])
-def test_kept_turns_under_preemption_and_aborts_leave_nothing_behind(quant, memory):
+@pytest.mark.parametrize("quant, memory, prefix", [("int4", "96KiB", None), ("fp8_e4m3", "32KiB", None),
+                                                   ("int4", "96KiB", "hash"), ("fp8_e4m3", "32KiB", "radix")])
+def test_kept_turns_under_preemption_and_aborts_leave_nothing_behind(quant, memory, prefix):
     """Second turns continue from kept compressed turns (int4: their open pages' leased residual rows) beside
     fresh requests while the pool preempts and a request is aborted; once every kept turn is dropped the pool
-    is fully free."""
+    is fully free (with prefix caching: free or cached-free)."""
+    index = dict(enable_prefix_caching=True, prefix_cache=prefix) if prefix else {}
     llm = LLM(MODEL, **CONFIGS["snapkv"], reuse_compressed=True, quant=quant, kv_cache_memory=memory,
-              max_num_batched_tokens=32, max_model_len=128)
+              max_num_batched_tokens=32, max_model_len=128, **index)
     engine, ps = llm.engine, prompts(3, seed=3, lo=30, hi=50)
     firsts = llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))
     g = torch.Generator().manual_seed(5)
@@ -184,4 +187,5 @@ def test_kept_turns_under_preemption_and_aborts_leave_nothing_behind(quant, memo
     assert leftovers(engine).keys() <= {"tables"}  # the kept turns' tables
     while engine.block_manager.kept_turns:
         a.drop_kept_turn()
-    assert leftovers(engine) == {} and len(a.free_blocks) == a.num_blocks
+    parked = engine.block_manager.prefix_cache.num_parked if prefix else 0
+    assert leftovers(engine) == {} and len(a.free_blocks) + parked == a.num_blocks

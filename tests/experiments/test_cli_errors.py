@@ -15,9 +15,9 @@ from kvlab.study.experiment import read_record
 TINY = ["model=random-llama-tiny", "logger=none", "workload=none", "task=none", "progress=false"]
 
 CASES = {  # the command line (after TINY) -> what the one line must say
-    "kept compressed turns with prefix caching": (
-        ["policy=snapkv", "policy.compression_ratio=0.5", "engine.reuse_compressed=true", "engine.enable_prefix_caching=true"],
-        "reuse_compressed with enable_prefix_caching is not supported yet"),
+    "kept compressed turns with a non-paged allocator": (
+        ["policy=snapkv", "policy.compression_ratio=0.5", "engine.reuse_compressed=true", "engine.allocator=contiguous"],
+        "reuse_compressed with allocator 'contiguous' is not supported"),
     "a pool smaller than one page": (["engine.kv_cache_memory=1KiB"], "engine.kv_cache_memory: 1024 bytes"),
     "a format that does not fit the block size": (["quant=int4", "engine.block_size=1"], "quant: int4"),
     "an absent device": (["engine.device=cuda"], "engine.device: "),

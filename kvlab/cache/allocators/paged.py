@@ -70,8 +70,15 @@ class PagedAllocator(Allocator):
     def kept_pages(self, keys: list[int]) -> list[int]:
         """Of the pages of tables `keys` (a kept turn's), those no table but a kept turn's holds: a request
         admitted onto the turn takes them out of the free count (an open one's residual row stays the turn's)."""
+        return self.kept_only({b for k in keys for b in self.tables[k] if b != NULL_BLOCK})
+
+    def kept_only(self, pages) -> list[int]:
+        """Of `pages`, those no table but a kept turn's holds (they count as free: a table taking one, a kept turn's
+        continuation or a prefix hit on a registered page a kept turn holds, takes it out of the free count)."""
+        if not self.kept_turns:
+            return []
         held = Counter(b for k in self.kept_turns.table_keys() for b in self.tables[k] if b != NULL_BLOCK)
-        return [b for b in {b for k in keys for b in self.tables[k] if b != NULL_BLOCK} if self.ref_counts[b] == held[b]]
+        return [b for b in set(pages) if b in held and self.ref_counts[b] == held[b]]
 
     def drop_kept_turn(self) -> None:
         """Free the tables of the least recently used kept turn."""
