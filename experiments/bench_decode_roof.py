@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
@@ -267,5 +265,4 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
