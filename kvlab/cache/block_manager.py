@@ -74,6 +74,7 @@ class PrefixHit:
     tokens: int = 0
     nodes: tuple = ()
     turn: int | None = None
+    recomputed: int = 0  # tier pages after the hit that recomputing beats restoring (cost model: `tier_ready`)
 
 
 class BlockManager:
@@ -375,14 +376,70 @@ class BlockManager:
 
     def _restore(self, seq: Sequence, nodes: list[Node], hit: int) -> None:
         """Bring a hit's offloaded blocks back into fresh pages of `seq`'s tables (after its resident hit pages
-        are held: taking a page may evict a parked one). They are claimed first, so making room for an evicted
-        page never drops one of them."""
+        are held: taking a page may evict a parked one), all moved together. They are claimed first, so making
+        room for an evicted page never drops one of them."""
         entries = self._offloaded(nodes, hit)
         if not entries:
             return
         self.prefix_cache.claim([(node, g) for g, _, node in entries])
-        for g, i, node in entries:
-            self.prefix_cache.restore(node, g, self.allocator.take_into(self.key(seq, g), i))
+        self.prefix_cache.restore_many([(node, g, self.allocator.take_into(self.key(seq, g), i))
+                                        for g, i, node in entries])
+
+    # -- tiers below the pool: reads ahead, restore or recompute ---------------------
+    @property
+    def places(self):
+        """The tiers' bookkeeping (kvlab.cache.tiers.places.Places), or None without tiers."""
+        pc = self.prefix_cache
+        return None if pc is None else pc.places
+
+    def _tier_plan(self, seq: Sequence, hit: PrefixHit) -> tuple[PrefixHit, list[tuple[int, int, Node]]]:
+        """`hit` as the placement wants it served, and its blocks in tiers: cut back before its first tier block
+        when recomputing the blocks from there is cheaper than restoring them (`Placement.restore_pays`)."""
+        nodes = list(hit.nodes)
+        entries = self._offloaded(nodes, hit.tokens)
+        if not entries:
+            return hit, entries
+        first = min(i for _, i, _ in entries)
+        pages: dict[int, int] = {}
+        for g, _, node in entries:
+            tier = self.places.tier_of[node.offloaded[g]]
+            pages[tier] = pages.get(tier, 0) + 1
+        if self.places.placement.restore_pays(pages, hit.tokens - first * self.block_size):
+            return hit, entries
+        k = first
+        while k and not all(self._has_pages(g, nodes[:k], k * self.block_size) for g in range(len(self.groups))):
+            k -= 1
+        nodes, tokens = nodes[:k], k * self.block_size
+        if self.hit_ends is not None and tokens:
+            nodes, tokens = self._cut_to_kept_stats(nodes, tokens)
+        return PrefixHit(seq.seq_id, tokens, tuple(nodes), recomputed=len(entries)), []
+
+    def tier_ready(self, seq: Sequence, hit: PrefixHit) -> PrefixHit | None:
+        """The hit `seq` is admitted on, once every page it takes from a tier is in memory: reads from a slow tier
+        are started here (on the tier's worker); None while one is still in flight (the request waits, others
+        run). A read that failed (a page file deleted or truncated) forgets its block and `seq` is looked up
+        again: that block is recomputed. Without tiers, `hit` as it is."""
+        if self.places is None or hit.turn is not None:
+            return hit
+        while True:
+            hit, entries = self._tier_plan(seq, hit)
+            if not entries:
+                return hit
+            failed = self.places.stats.failed_reads
+            if self.prefix_cache.fetch([(node, g) for g, _, node in entries]):
+                return hit
+            if self.places.stats.failed_reads == failed:
+                self.places.stats.waits += 1
+                return None
+            hit = self.lookup(seq)
+
+    def prefetch(self, seq: Sequence) -> int:
+        """`seq` was just added: start the reads of the tier pages its prefix hits that the placement wants read
+        before the request is scheduled (a returning conversation); how many."""
+        if self.places is None or self.kept_turns is not None:
+            return 0
+        _, entries = self._tier_plan(seq, self.lookup(seq))
+        return self.prefix_cache.prefetch([(node, g) for g, _, node in entries]) if entries else 0
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching)."""
@@ -479,6 +536,8 @@ class BlockManager:
         for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
             self.allocator.allocate_cached(key, self._cached_pages(g, nodes, hit), hit)
         self._restore(seq, nodes, hit)  # then the pages that were in a tier, into fresh pages
+        if found.recomputed:
+            self.places.stats.recomputed += found.recomputed
         for g, key in enumerate(self._keys(seq)):
             pages = list(self.allocator.block_table(key))
             used += [p for p in pages if p != NULL_BLOCK]

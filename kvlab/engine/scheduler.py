@@ -8,6 +8,11 @@ cannot grow a running sequence, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue to be
 recomputed later, so no request is lost or corrupted.
 
+With tiers below the pool, a waiting sequence whose prefix hit needs pages still being read from a slow tier
+(kvlab.cache.tiers: a disk read on the tier's worker thread) is passed over, as if those pages were not
+allocated yet: the sequences behind it may be admitted, and it is looked at again next step. No step ever
+reads a page that has not arrived.
+
 `max_prefill_chunk` caps the tokens one sequence computes in a step while it has more than one
 to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy
 that compresses after every chunk, a prompt never holds more than its compressed past plus one
@@ -89,17 +94,22 @@ class Scheduler:
             self.block_manager.append(seq, n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        w = 0  # the first waiting sequence not passed over
+        while w < len(self.waiting) and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
             hit = self.block_manager.lookup(seq)  # a prefix-cache hit (none without prefix caching)
             if hit.turn is not None and not self.block_manager.can_allocate(seq, hit):
                 hit = PrefixHit(seq.seq_id)  # a kept compressed turn that does not fit: compute it all (its
                 # pages count as free, the pool drops kept turns for room), rather than wait on the turn
+            hit = self.block_manager.tier_ready(seq, hit)  # tiers below the pool: its pages read into memory
+            if hit is None:  # a page of its hit is still being read: it waits (as for a page not yet
+                w += 1  # allocated), the sequences behind it may run
+                continue
             n = self._first_chunk(seq, hit, budget)
             if not n:
                 break
             self.block_manager.allocate(seq, n, hit)
-            self.waiting.popleft()
+            del self.waiting[w]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
