@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speculation import prompts  # noqa: E402
-from bench_throughput import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
+from kvlab.study.hf_assistant import set_assistant_options
+from kvlab.study.speculation_runs import prompts
 
 VARIANTS = {  # label -> (kvlab length options, Hugging Face assistant options or None)
     "fixed": ({"adaptive": False},
@@ -97,11 +96,9 @@ def hf_run(target, ps, max_tokens, assistant=None, options=None, args=None, **ex
     for p in ps:
         kw = {}
         if assistant is not None:
-            cfg = assistant.generation_config
-            cfg.num_assistant_tokens = args.num_tokens
-            cfg.num_assistant_tokens_schedule = options["num_assistant_tokens_schedule"]
-            cfg.assistant_confidence_threshold = (args.threshold if options.get("confidence")
-                                                  else options["assistant_confidence_threshold"])
+            set_assistant_options(assistant, args.num_tokens, options["num_assistant_tokens_schedule"],
+                                  args.threshold if options.get("confidence")
+                                  else options["assistant_confidence_threshold"])
             kw = {"assistant_model": assistant, **extra}
         x = torch.tensor([p])
         t0 = time.perf_counter()

@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speculation import prompts, run  # noqa: E402
-from kvlab.study.bench_io import log, metadata, provenance, table  # noqa: E402
+from kvlab.study.bench_io import log, metadata, provenance, table
+from kvlab.study.speculation_runs import prompts, run
 
 COLUMNS = [("quant", "quant"), ("batch", "batch"), ("off_tok_s", "default tok/s"), ("on_tok_s", "batch-invariant tok/s"),
            ("ratio", "on / off"), ("off_chunked", "off: same with 32-token steps"),

@@ -24,27 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speculation import prompts  # noqa: E402
-from kvlab.study.bench_io import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
+from kvlab.study.hf_assistant import set_assistant_options
+from kvlab.study.speculation_runs import prompts, run
 
 COLUMNS = [("task", "task"), ("batch", "batch"), ("method", "method"), ("plain_tok_s", "plain tok/s"),
            ("spec_tok_s", "speculative tok/s"), ("speedup", "speedup"), ("acceptance", "acceptance a"),
            ("accepted_len", "mean accepted length"), ("predicted_len", "(1-a^(g+1))/(1-a)"),
            ("draft_share", "draft share of step time"), ("identical", "identical to plain")]
-
-
-def run(llm, batches, max_tokens) -> tuple[dict, list[list[int]]]:
-    from kvlab import SamplingParams
-
-    llm.reset_stats()
-    outs = []
-    for batch in batches:
-        outs += [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
-    return llm.stats(), outs
 
 
 def hf_generate(target, ids, max_tokens, **assist) -> tuple[float, list[int]]:
@@ -104,10 +93,11 @@ def main(argv=None) -> dict:
                     same = True
                     for (p,) in batches:
                         s, ref = hf_generate(target.model, p, args.max_tokens)
+                        # g tokens, constant, no confidence stop (as slem / tli draft): on the assistant's own
+                        # generation_config, where transformers reads them (kvlab/study/hf_assistant.py)
+                        set_assistant_options(draft.model, args.num_tokens, "constant", 0.0)
                         a, got = hf_generate(target.model, p, args.max_tokens, assistant_model=draft.model,
-                                             tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer,
-                                             num_assistant_tokens=args.num_tokens,
-                                             num_assistant_tokens_schedule="constant")
+                                             tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
                         t_plain, t_asst, same = t_plain + s, t_asst + a, same and got == ref
                     n = args.max_tokens * len(batches)
                     hf_runs.append({"plain_tok_s": n / t_plain, "spec_tok_s": n / t_asst,
@@ -147,7 +137,8 @@ def report(rows: list[dict], meta: dict, args, sizes: dict) -> str:
         f"step, block size 16, {args.threads} torch threads; {batches}; medians of {args.repeats} round(s). kvlab tok/s are generated tokens per "
         f"second of engine time; the `plain tok/s` of a kvlab row is plain kvlab decoding in the same round. The "
         f"Hugging Face row compares `generate` with and without `assistant_model` + `assistant_tokenizer` "
-        f"(greedy: Hugging Face's string-level re-tokenisation, the same idea as `slem`), wall time per "
+        f"(greedy: Hugging Face's string-level re-tokenisation, the same idea as `slem`; g = {args.num_tokens}, "
+        f"constant schedule, no confidence stop, set on the assistant's generation_config), wall time per "
         f"prompt, batch 1 only; its `identical` column compares Hugging Face's two outputs. `edit` copies a "
         f"given passage with its spelling corrected (repetition-heavy); `free` writes a short story.", "",
         table(rows, COLUMNS), "",

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
@@ -277,5 +275,4 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -32,8 +32,8 @@ import argparse
 import statistics
 import time
 
-from bench_shared_pool import make_prompts
 from kvlab.study.bench_io import commit_line, fmt, load_average, log, metadata, table
+from kvlab.study.corpus_prompts import corpus_prompts
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "num_steps", "preemptions",
          "ttft_median_s", "policy_compressions", "policy_s", "policy_pages_freed", "policy_bytes_freed")
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
                                     max_output=args.max_tokens, seed=args.seed)
         prompts = [r.prompt_token_ids for r in requests]
     elif loaded.tokenizer is not None:
-        prompts = make_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
+        prompts = corpus_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
     else:
         g = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(3, vocab, (args.min_len,), generator=g).tolist() for _ in range(args.num_requests)]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -102,16 +101,6 @@ def run_child(spec: dict, site: Path | None, workdir: Path) -> dict:
 
 
 # -- workload and budget ----------------------------------------------------------------------------------
-def make_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-    """`n` WikiText-2 cuts at evenly spaced offsets, lengths uniform in [min_len, max_len]."""
-    from kvlab.study.tasks.data import corpus_tokens, evenly_spaced_windows
-    from kvlab.study.workloads.azure import DEFAULT_CORPUS
-
-    rng = random.Random(seed)
-    windows = evenly_spaced_windows(corpus_tokens(DEFAULT_CORPUS, None, tokenizer), max_len, n)
-    return [w[:rng.randint(min_len, max_len)] for w in windows]
-
-
 def before_budget(model_config, args) -> int:
     """Bytes for which the per-group pools (one block id = block_size tokens of every layer) hold
     `before_fits` of the longest requests in their full-attention pool."""
@@ -206,13 +195,14 @@ def main(argv=None) -> dict:
 
     from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
+    from kvlab.study.corpus_prompts import corpus_prompts  # here, not at the top: the child may import an older kvlab
     from kvlab.study.tasks.data import get_tokenizer
 
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # as in each measurement, so the metadata records it
     loaded = load_model(args.model)
-    prompts = make_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
+    prompts = corpus_prompts(get_tokenizer(loaded), args.num_requests, args.min_len, args.max_len, args.seed)
     kv_memory = int(args.kv_memory) if args.kv_memory else before_budget(loaded.model.config, args)
     del loaded
     meta = {**metadata(args), "args": vars(args)}

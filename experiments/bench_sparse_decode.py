@@ -16,14 +16,11 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_shared_pool import make_prompts  # noqa: E402
-from kvlab.study.bench_io import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
+from kvlab.study.corpus_prompts import corpus_prompts
 
 COLUMNS = [("variant", "variant"), ("step_ms", "decode step ms (median)"), ("vs_full", "step time / full"),
            ("select_ms", "page selection ms per step"), ("read_share", "share of cached slots read"),
@@ -92,7 +89,7 @@ def main(argv=None) -> dict:
     meta = metadata(args)
     loaded = load_model(args.model)
     if loaded.tokenizer is not None:
-        prompt = make_prompts(loaded.tokenizer, 1, args.prompt_len, args.prompt_len, args.seed)[0]
+        prompt = corpus_prompts(loaded.tokenizer, 1, args.prompt_len, args.prompt_len, args.seed)[0]
     else:  # a random model: random ids
         g = torch.Generator().manual_seed(args.seed)
         prompt = torch.randint(3, loaded.model.config.vocab_size, (args.prompt_len,), generator=g).tolist()

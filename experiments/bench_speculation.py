@@ -30,53 +30,14 @@ import statistics
 import time
 
 from kvlab.study.bench_io import commit_line, fmt, load_average, log, metadata, table
-
-PASSAGES = [
-    "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night its keeper "
-    "climbed the narow stairs, lit the lamp and watched the ships pass safely through the rocky straight.",
-    "Our garden has three aple trees, a row of carrots and a small pond where frogs sing in the evening. "
-    "In summer we pick beans every morning and give the extra ones to our neigbours.",
-    "The train to the capital leaves at seven oclock. Pasengers should arrive early, because the platform "
-    "changes often and the announcements are hard to here over the noise of the station.",
-    "Bread needs only flour, water, salt and yeast, but good bread needs time. Let the dough rise slowley "
-    "overnight in a cool place, then bake it in a very hot oven untill the crust is dark.",
-    "The museum opened a new room for old maps. Visitors can see how sailors once drew the coastlines, "
-    "with sea monsters in the empty corners and rivers that were never realy there.",
-    "Every winter the lake freezes and the children of the village skate on it from morning till night. "
-    "Their parents watch from the shore, drinking hot tea and worrying about thin ice.",
-    "The library lends books, music and even tools. Members can borow a drill for a weekend, as long as "
-    "they bring it back clean and on time, with all its peices in the box.",
-    "A good map is simple. It shows the roads you need, the places you want to see and nothing else, so "
-    "that a traveller can find the way without geting lost in details.",
-]
-STORIES = ["a robot who learns to paint", "a cat that finds a secret door", "two friends lost in a forest",
-           "a baker who wins a prize", "a storm at sea", "a girl who talks to birds", "the last day of summer",
-           "a clock that runs backwards"]
+from kvlab.study.hf_assistant import set_assistant_options
+from kvlab.study.speculation_runs import prompts, run
 
 COLUMNS = [("task", "task"), ("batch", "batch"), ("draft", "draft"), ("plain_tok_s", "plain tok/s"),
            ("spec_tok_s", "draft tok/s"),
            ("speedup", "speedup"), ("predicted", "predicted (memory traffic)"), ("acceptance", "acceptance a"), ("accepted_len", "mean accepted length"),
            ("predicted_len", "(1-a^(g+1))/(1-a)"), ("draft_share", "draft share of step time"),
            ("identical", "outputs identical")]
-
-
-def prompts(tokenizer, task: str) -> list[list[int]]:
-    if task == "edit":
-        texts = [f"Copy the following passage, correcting its spelling mistakes.\n\nPassage: {p}\n\n"
-                 f"Corrected passage: " for p in PASSAGES]
-    else:
-        texts = [f"Write a short story about {s}.\n\nStory: " for s in STORIES]
-    return [tokenizer(t)["input_ids"] for t in texts]
-
-
-def run(llm, batches: list[list[list[int]]], max_tokens: int) -> tuple[dict, list[list[int]]]:
-    from kvlab import SamplingParams
-
-    llm.reset_stats()
-    outs = []
-    for batch in batches:
-        outs += [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
-    return llm.stats(), outs
 
 
 def main(argv=None) -> dict:
@@ -203,12 +164,12 @@ def hf_anchor(loaded, task: str, prompts_: list[list[int]], drafts, max_tokens: 
 
     model = copy.deepcopy(loaded.model).eval()
     model.set_attn_implementation("sdpa")
-    kinds = [("plain", {})]
+    kinds = [("plain", {}, None)]  # (label, generate() kwargs, assistant options or None)
     for label, name, dargs in drafts:
         if name == "ngram":
             ngram = dargs.get("max_ngram", 3)  # HF's default max_matching_ngram_size is 2: kvlab's longest suffix
             kinds.append((f"prompt_lookup_num_tokens={dargs['num_tokens']}, max_matching_ngram_size={ngram}",
-                          {"prompt_lookup_num_tokens": dargs["num_tokens"], "max_matching_ngram_size": ngram}))
+                          {"prompt_lookup_num_tokens": dargs["num_tokens"], "max_matching_ngram_size": ngram}, None))
         if name == "layerskip":  # like for like: HF's assistant defaults to a confidence stop at 0.4; state kvlab's
             threshold = dargs.get("confidence_threshold") or 0.0
             schedule = dargs.get("length_rule", "step") if dargs.get("adaptive") else "constant"
@@ -216,15 +177,16 @@ def hf_anchor(loaded, task: str, prompts_: list[list[int]], drafts, max_tokens: 
                 schedule = "heuristic"
             kinds.append((f"assistant_early_exit={dargs['layers']}, num_assistant_tokens={dargs['num_tokens']}, "
                           f"schedule={schedule}, assistant_confidence_threshold={threshold}",
-                          {"assistant_early_exit": dargs["layers"], "num_assistant_tokens": dargs["num_tokens"],
-                           "num_assistant_tokens_schedule": schedule, "assistant_confidence_threshold": threshold}))
+                          {"assistant_early_exit": dargs["layers"]}, (dargs["num_tokens"], schedule, threshold)))
     with torch.no_grad():  # warm-up, not timed
         model.generate(torch.tensor([prompts_[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     rows, plain_s = [], None
-    for label, extra in kinds:
+    for label, extra, options in kinds:
         outs, t0 = [], time.perf_counter()
         try:
             for p in prompts_:
+                if options:  # the early-exit assistant is the model itself: its generation_config, afresh each call
+                    set_assistant_options(model, *options)
                 ids = torch.tensor([p])
                 out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                      eos_token_id=None, pad_token_id=0, **extra)
@@ -250,7 +212,8 @@ def report(rows: list[dict], meta: dict, args, anchors: list[dict] = ()) -> str:
                         ", ".join(fmt(x) for x in r["per_position"]) for r in rows)
     hf = ["Hugging Face assisted generation at batch 1, same prompts and token count, wall clock "
           "(prefill included, sdpa attention), with the draft length, schedule and confidence threshold of the "
-          "kvlab draft stated (Hugging Face's assistant otherwise stops drafting below a top probability of 0.4):",
+          "kvlab draft stated, set on the assistant's generation_config (for assistant_early_exit the model itself), "
+          "where transformers reads them (its defaults: 20 tokens, constant, a confidence stop at 0.4):",
           "", table(anchors, HF_COLUMNS), ""] if anchors else []
     return "\n".join([
         f"# Speculative decoding on {args.model}: {', '.join(args.drafts)}", "",

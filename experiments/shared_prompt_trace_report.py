@@ -12,14 +12,12 @@ throughput without sharing, with hashed pages and with the radix tree (conf/expe
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab.study.experiment import read_record
+from kvlab.study.loggers.local import write_report
 
-from kvlab.study.experiment import read_record  # noqa: E402
-from kvlab.study.loggers.local import write_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -8,14 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab.study.experiment import read_record
+from kvlab.study.loggers.local import write_report
 
-from kvlab.study.experiment import read_record  # noqa: E402
-from kvlab.study.loggers.local import write_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = (("max_concurrent_seqs", "max batch", "{:.0f}"), ("mean_concurrent_seqs", "mean batch", "{:.2f}"),
            ("tokens_per_s", "tok/s (engine busy time)", "{:.2f}"), ("busy_s", "busy s", "{:.0f}"),

@@ -13,14 +13,12 @@ beside the paper's Fig. 2 figures, and paging's unwritten slots against its boun
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab.study.experiment import read_record
+from kvlab.study.loggers.local import write_report
 
-from kvlab.study.experiment import read_record  # noqa: E402
-from kvlab.study.loggers.local import write_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Kwon et al. 2023 (arXiv:2309.06180): share of KV memory holding token states (Fig. 2, §1) and throughput
 PAPER = {"contiguous max_model_len": "20.4 % (Orca Max)", "contiguous pow2": "26.8 % (Orca Pow2)",
