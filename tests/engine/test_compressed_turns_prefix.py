@@ -163,3 +163,37 @@ def test_the_combination_suite_runs_it(policy, index):
                             enable_prefix_caching=True, prefix_cache=index, draft="ngram", draft_args={"num_tokens": 3})
     assert got.startswith("runs outside the contract: prefix caching with a compressing policy keeping shared pages "
                           "whole; reusing compressed turns; "), got
+
+
+FILLS = [[R.randrange(3, 200) for _ in range(200)] for _ in range(3)]
+
+
+def conversation_with_evictions(llm: LLM) -> list[list[int]]:
+    """A, D on A's kept turn; the turns dropped, then three 200-token fillers (a 40-page pool parks and evicts the
+    system prompt's pages); B hits them again (restored from a tier when one is on), C and E on kept turns."""
+    gen = lambda prompt: list(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids)  # noqa: E731
+    a = gen(A)
+    out = [a, gen(A + a + NEW_D)]
+    bm = llm.engine.block_manager
+    while bm.kept_turns:
+        bm.allocator.drop_kept_turn()
+    for fill in FILLS:
+        gen(fill)
+    b = gen(B)
+    return out + [b, gen(A + a + NEW_C), gen(B + b + NEW_D)]
+
+
+@pytest.mark.parametrize("offload, prefix", [("host", "hash"), ("disk", "radix")])
+def test_tiers_below_the_pool_with_kept_turns_and_prefix_caching(offload, prefix, tmp_path):
+    """offload + reuse_compressed + prefix caching: a 40-page pool with a tier gives what a pool that evicts nothing
+    gives (the same prefix hits and kept-turn hits; the tier restores the system prompt's evicted pages)."""
+    kw = dict(policy="snapkv", policy_args=POLICIES["snapkv"], reuse_compressed=True, enable_prefix_caching=True,
+              prefix_cache=prefix)
+    ample = LLM("random:llama-tiny", kv_cache_memory="1MiB", **kw)
+    args = {"path": str(tmp_path)} if offload == "disk" else {}
+    tiered = LLM("random:llama-tiny", kv_cache_memory="160KiB", offload=offload, offload_args=args, **kw)
+    assert conversation_with_evictions(tiered) == conversation_with_evictions(ample)
+    st = tiered.engine.stats()
+    assert st["tier_demoted"] > 0 and st[f"tier_{offload}_hits"] > 0 and st["turn_reuse_hits"] == 2
+    assert st["prefix_hit_tokens"] == ample.engine.stats()["prefix_hit_tokens"] == 96
+    drained(tiered, f"{offload}/{prefix}")
