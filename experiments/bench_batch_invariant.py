@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_speculation import prompts, run  # noqa: E402
-from bench_throughput import fmt, log, metadata, provenance, table  # noqa: E402
+from kvlab.study.bench_io import log, metadata, provenance, table  # noqa: E402
 
 COLUMNS = [("quant", "quant"), ("batch", "batch"), ("off_tok_s", "default tok/s"), ("on_tok_s", "batch-invariant tok/s"),
            ("ratio", "on / off"), ("off_chunked", "off: same with 32-token steps"),

@@ -1,8 +1,8 @@
 """Multi-turn conversations under a compressing policy: recompute-and-compress every turn, or reuse the compressed
 history (EngineConfig.reuse_compressed, kvlab/cache/kept_turns.py).
 
-Workload (as experiments/bench_multiturn_prefix.py): --conversations conversations side by side, --turns turns
-each; a turn's prompt is the conversation so far (earlier prompts and this run's own answers) plus a new
+Workload (kvlab.study.workloads.conversations, shared with experiments/bench_kv_tiers.py): --conversations
+conversations side by side, --turns turns each; a turn's prompt is the conversation so far (earlier prompts and this run's own answers) plus a new
 --user-len-token WikiText-2 user message, arriving when the previous answer is done; --max-tokens greedy new
 tokens per turn, EOS ignored. Variants:
 - nocache: each turn recomputes its whole prompt and the policy compresses it at the prompt's end;
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -50,40 +49,22 @@ def parse_policy(text: str) -> tuple[str, dict]:
 
 def measure(loaded, tokens: list[int], variant: str, args) -> dict:
     from kvlab import LLM
-    from kvlab.study.workloads.replay import Request, replay
+    from kvlab.study.workloads.conversations import Conversations
+    from kvlab.study.workloads.replay import replay
 
     policy, policy_args = parse_policy(args.policy)
     llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=args.block_size, kv_cache_memory=args.kv_memory,
               max_num_batched_tokens=args.max_num_batched_tokens, policy=policy, policy_args=policy_args,
               **VARIANTS[variant])
-    rng = random.Random(args.seed)  # the same user messages for every variant
-
-    def cut() -> list[int]:
-        offset = rng.randrange(0, len(tokens) - args.user_len + 1)
-        return tokens[offset:offset + args.user_len]
-
-    messages = {(c, t): cut() for c in range(args.conversations) for t in range(args.turns)}
-    answers: dict[str, list[int]] = {}
-    prompts: dict[str, list[int]] = {}
-
-    def request(prompt: list[int], conv: int, turn: int, now: float) -> Request:
-        prompts[f"conv{conv}/turn{turn}"] = prompt
-        return Request(prompt, args.max_tokens, now, tag=f"conv{conv}/turn{turn}")
-
-    def next_turn(req, out, now: float):
-        answers[req.tag] = list(out.token_ids)
-        conv, turn = (int(x) for x in req.tag.removeprefix("conv").split("/turn"))
-        if turn + 1 >= args.turns:
-            return []
-        return [request(req.prompt_token_ids + list(out.token_ids) + messages[conv, turn + 1], conv, turn + 1, now)]
-
-    first = [request(messages[c, 0], c, 0, 0.0) for c in range(args.conversations)]
+    work = Conversations(tokens, args.conversations, args.turns, args.user_len, args.max_tokens, seed=args.seed)
+    answers, prompts = work.answers, work.prompts  # the same user messages for every variant
+    first, next_turn = work.first(), work.follow_up
     start, cpu = time.perf_counter(), time.process_time()
     result = replay(llm, first, "real", follow_up=next_turn)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     stats = llm.engine.stats()
     table = result.tables["workload_requests"]  # one row per request (kvlab.study.workloads.replay)
-    returning = [r.ttft_s for r in table.itertuples() if not r.tag.endswith("/turn0") and r.ttft_s == r.ttft_s]
+    returning = Conversations.returning_ttfts(table)
     return {"tokens_per_s": stats["tokens_per_s"], "busy_s": stats["busy_s"], "wall_s": wall, "cpu_s": cpu,
             "ttft_returning_median_s": statistics.median(returning) if returning else float("nan"),
             "prompt_tokens": stats["prompt_tokens"], "reused_tokens": stats.get("turn_reuse_tokens", 0),

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_speculation import prompts  # noqa: E402
-from bench_throughput import commit_line, fmt, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table  # noqa: E402
 
 COLUMNS = [("task", "task"), ("batch", "batch"), ("method", "method"), ("plain_tok_s", "plain tok/s"),
            ("spec_tok_s", "speculative tok/s"), ("speedup", "speedup"), ("acceptance", "acceptance a"),

@@ -10,15 +10,23 @@ count). A decode step of SmolLM2 runs this 30 times (30 layers).
 
     python experiments/bench_decode_attention.py                       # the full grid, 1 thread
     python experiments/bench_decode_attention.py --batch 1 --context 512 --formats fp32 --repeats 2 --out /tmp/da
+    python experiments/bench_decode_attention.py --baseline 42069e7   # also the kernel of that commit, same run
+
+With --baseline REV the kernel source of that git revision is built the same way (its own library in the kernel
+cache) and timed beside this one's, interleaved with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
@@ -84,6 +92,28 @@ def bytes_read(cache, tables, context: int) -> int:
     return total
 
 
+def baseline_kernel(rev: str):
+    """The kernel function of decode_attention.cpp at git revision `rev`, built with this checkout's flags."""
+    from kvlab.kernels.cpu import build
+    from kvlab.kernels.cpu import decode_attention as cpu
+
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/cpu/decode_attention.cpp"],
+                            capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decode_attention.cpp"
+        path.write_text(source)
+        saved, build.SOURCE = build.SOURCE, path
+        try:
+            target = build.library_path(build.compiler())
+            if not target.exists():
+                build.build(build.compiler(), target)
+        finally:
+            build.SOURCE = saved
+    fn = ctypes.CDLL(str(target)).kvlab_decode_attention
+    fn.argtypes, fn.restype = cpu._kernel().argtypes, ctypes.c_int  # an older ABI ignores the trailing arguments
+    return fn
+
+
 def timed(fn, iters: int) -> tuple[float, float]:
     """(wall seconds, this thread's CPU seconds) per call, the mean over `iters` calls. With one thread the
     kernel runs on the calling thread, so CPU time leaves out the time other jobs held the core."""
@@ -104,6 +134,8 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
         raise SystemExit("the CPU kernels are not available (no g++, or KVLAB_CPU_KERNELS=0)")
     roof, roof_cpu = read_roof(args.roof_gib, 5)
     log(f"streaming read roof: {roof:.1f} GB/s, {roof_cpu:.1f} GB/s by CPU time ({args.threads} thread(s))")
+    baseline = baseline_kernel(args.baseline) if args.baseline else None
+    current = cpu._kernel
     rows = []
     for batch in args.batch:
         for context in args.context:
@@ -113,10 +145,16 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
                 run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
                 run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
                 diff = float((run_kernel() - run_ref()).abs().max())  # also warms both up (plans, memos)
-                kt, rt = [], []
+                kt, rt, bt = [], [], []
                 for _ in range(args.repeats):
                     kt.append(timed(run_kernel, args.iters))
                     rt.append(timed(run_ref, max(1, args.iters // 4)))
+                    if baseline is not None:
+                        cpu._kernel = lambda: baseline  # noqa: E731
+                        try:
+                            bt.append(timed(run_kernel, args.iters))
+                        finally:
+                            cpu._kernel = current
                 km, rm = (statistics.median(t[0] for t in ts) for ts in (kt, rt))
                 kc, rc = (statistics.median(t[1] for t in ts) for ts in (kt, rt))
                 rows.append({"batch": batch, "context": context, "format": fmt, "mib": nbytes / 2**20,
@@ -126,6 +164,10 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
                              "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
                              "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
                              "kernel_s": kt, "ref_s": rt})
+                if bt:
+                    bm, bc = statistics.median(t[0] for t in bt), statistics.median(t[1] for t in bt)
+                    rows[-1].update(baseline_ms=1e3 * bm, baseline_speedup=bm / km,
+                                    baseline_cpu_roof=nbytes / bc / 1e9 / roof_cpu, baseline_s=bt)
                 log(f"b{batch} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
                     f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
                 del k, v, plan
@@ -133,6 +175,12 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
 
 
 def report(rows: list[dict], roofs: tuple[float, float], meta: dict, args) -> str:
+    columns = COLUMNS
+    if args.baseline:
+        at = [c[0] for c in COLUMNS].index("speedup") + 1
+        columns = COLUMNS[:at] + [("baseline_ms", f"kernel at {args.baseline} ms"),
+                                  ("baseline_speedup", f"{args.baseline} / kernel"),
+                                  ("baseline_cpu_roof", f"{args.baseline} / roof, CPU time")] + COLUMNS[at:]
     return "\n".join([
         "# Paged decode attention on the CPU: native kernel vs torch reference",
         "",
@@ -148,7 +196,7 @@ def report(rows: list[dict], roofs: tuple[float, float], meta: dict, args) -> st
         "calling thread's CPU time (the kernel runs on it with one thread) and compare with the roof's CPU-time "
         "figure: they leave out the time other jobs held the core, not the memory they shared.",
         "",
-        table(rows, COLUMNS),
+        table(rows, columns),
         "",
     ])
 
@@ -164,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8, help="kernel calls per repeat (a quarter as many reference calls)")
     p.add_argument("--roof-gib", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", default=None, help="git revision whose kernel is timed beside this one")
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "decode_attention_cpu"))
     return p.parse_args(argv)
 

@@ -12,15 +12,17 @@ matrix of the same size is quoted beside it (what a linear layer at batch 1 can 
 Per cell (dtype x cache format x batch x context) one prefill, then --warmup + --repeats x --steps decode
 steps, each timed alone: kvlab steps its engine (`LLMEngine.step`); Hugging Face `generate` is timed between
 successive calls of a logits processor (one per step: forward, cache update and its own per-step work).
-kvlab's weight layouts (--layouts, `engine.linear_layout`, kvlab/engine/linear_layout.py) take turns within
-one prefill: block r of --steps steps runs layout r mod len(layouts) (load drifts hit each alike). A row's
-figure is the median over its blocks of the block's mean step time. Hugging Face's int4 peer is its
+kvlab's weight layouts (--layouts, `engine.linear_layout`, kvlab/engine/linear_layout.py) and linear backends
+(--linear-backends, `engine.linear_backend`, kvlab/engine/linear_backend.py) take turns within one prefill:
+block r of --steps steps runs variant r mod len(variants), the variants being every (layout, backend) pair
+(load drifts hit each alike). A row's figure is the median over its blocks of the block's mean step time. Hugging Face's int4 peer is its
 quantised cache (quanto backend, 4 bits, residual 128), where optimum-quanto is installed.
 
 "K/V GB/s": the extra K/V bytes of a longer context over the extra time, against the same row at the
 shortest context (what the K/V-reading part of the step streams).
 
     python experiments/bench_decode_roof.py --batches 1 16 --contexts 32 512 2048 --quants auto int4
+    python experiments/bench_decode_roof.py --linear-backends torch cpu --layouts auto --quants auto --no-hf
     python experiments/bench_decode_roof.py --model random:llama-tiny --batches 1 --contexts 16 --steps 2 --out /tmp/r
 """
 
@@ -32,9 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
-COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"), ("batch", "batch"),
+COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"),
+           ("linear_backend", "linear"), ("batch", "batch"),
            ("context", "context"), ("step_ms", "step ms (median)"), ("tok_s", "tok/s"),
            ("weight_mb", "weights MB"), ("kv_mb", "K/V MB"), ("gb_s", "GB/s"), ("roof_gb_s", "roof GB/s"),
            ("roof_fraction", "of roof"),
@@ -76,10 +79,10 @@ def hf_kv_bytes_per_token(config, dtype, nbits: int | None) -> float:
 
 
 # -- timed decoding -------------------------------------------------------------------------------------
-def kvlab_cell(llm, prompts, blocks: int, args, layouts) -> list[tuple[str, float, float]]:
-    """(layout, mean step s, mean cached tokens per sequence) per block of --steps decode steps."""
+def kvlab_cell(llm, prompts, blocks: int, args, variants) -> list[tuple[tuple[str, str], float, float]]:
+    """((layout, backend), mean step s, mean cached tokens per sequence) per block of --steps decode steps."""
     from kvlab import SamplingParams
-    from kvlab.engine.linear_layout import apply_linear_layout
+    from kvlab.engine.linear_backend import apply_linear
 
     engine, total = llm.engine, 1 + args.warmup + blocks * args.steps
     for p in prompts:
@@ -88,17 +91,17 @@ def kvlab_cell(llm, prompts, blocks: int, args, layouts) -> list[tuple[str, floa
     while engine.has_unfinished():
         i = len(times) - 1 - args.warmup  # decode step index after the warm-up (-1 - warmup: the prefill)
         if i >= 0 and i % args.steps == 0:
-            apply_linear_layout(engine.model, layouts[(i // args.steps) % len(layouts)])
+            apply_linear(engine.model, *variants[(i // args.steps) % len(variants)])
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
     if len(times) != total:  # step 1 is the whole prefill, every later step one token per sequence
         raise RuntimeError(f"{len(times)} engine steps for {total} tokens: the prefill did not fit one step")
-    apply_linear_layout(engine.model, "none")
+    apply_linear(engine.model, "none", "torch")
     decode = times[1 + args.warmup:]
     for b in range(blocks):
         start = len(prompts[0]) + 1 + args.warmup + b * args.steps  # cached tokens at the block's first step
-        out.append((layouts[b % len(layouts)], statistics.mean(decode[b * args.steps:(b + 1) * args.steps]),
+        out.append((variants[b % len(variants)], statistics.mean(decode[b * args.steps:(b + 1) * args.steps]),
                     start + (args.steps - 1) / 2))
     return out
 
@@ -129,14 +132,17 @@ def hf_cell(model, prompts, args, quantized: bool) -> list[tuple[str, float, flo
 
 
 def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token, roof: float) -> list[dict]:
-    """One row per layout in `blocks`; `roof`: bytes/s streamed just before the cell."""
+    """One row per variant ((layout, linear backend), or a system's own name) in `blocks`; `roof`: bytes/s
+    streamed just before the cell."""
     rows = []
-    for layout in dict.fromkeys(b[0] for b in blocks):
-        mine = [b for b in blocks if b[0] == layout]
+    for variant in dict.fromkeys(b[0] for b in blocks):
+        mine = [b for b in blocks if b[0] == variant]
+        layout, backend = variant if isinstance(variant, tuple) else (variant, None)
         step = statistics.median(t for _, t, _ in mine)
         cached = statistics.mean(c for _, _, c in mine)
         kv = batch * cached * kv_per_token
-        rows.append({"system": system, "dtype": dtype, "quant": quant, "layout": layout, "batch": batch,
+        rows.append({"system": system, "dtype": dtype, "quant": quant, "layout": layout,
+                     "linear_backend": backend, "batch": batch,
                      "context": context, "step_ms": 1000 * step, "tok_s": batch / step, "weight_mb": weights / 1e6,
                      "kv_mb": kv / 1e6, "gb_s": (weights + kv) / step / 1e9,
                      "roof_gb_s": roof / 1e9, "roof_fraction": (weights + kv) / step / roof,
@@ -147,7 +153,7 @@ def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token,
 
 def add_derived(rows: list[dict]) -> None:
     """K/V GB/s against the same system/dtype/cache/layout/batch at the shortest context; kvlab over HF."""
-    key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r["batch"])  # noqa: E731
+    key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r.get("linear_backend"), r["batch"])  # noqa: E731
     for r in rows:
         base = min((o for o in rows if key(o) == key(r)), key=lambda o: o["context"])
         dt = r["step_s"] - base["step_s"]
@@ -176,7 +182,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
 
     g = torch.Generator().manual_seed(args.seed)
     cells = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_prompt_tokens]
-    blocks = args.repeats * len(args.layouts)
+    variants = [(layout, backend) for layout in args.layouts for backend in args.linear_backends]
+    blocks = args.repeats * len(variants)
     rows = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -194,7 +201,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 prompts = [torch.randint(3, vocab, (c,), generator=g).tolist() for _ in range(b)]
                 log(f"{dtype_name} {quant} batch {b} context {c}: kvlab")
                 now = roof()
-                rows += rows_of("kvlab", dtype_name, quant, b, c, kvlab_cell(llm, prompts, blocks, args, args.layouts),
+                rows += rows_of("kvlab", dtype_name, quant, b, c, kvlab_cell(llm, prompts, blocks, args, variants),
                                 weights, kv_token, now)
                 quantized = quant != "auto"
                 if hf is None or (quantized and (quant != "int4" or not quanto_installed())):
@@ -224,7 +231,8 @@ def report(roofs: list[dict], rows: list[dict], meta: dict, args) -> str:
         f"GB/s** (range {min(sums):.1f}-{max(sums):.1f}); float32 matrix-vector product over as many bytes median "
         f"{statistics.median(mvs):.1f} GB/s (range {min(mvs):.1f}-{max(mvs):.1f}).", "",
         f"Per cell: one prefill of random prompts, {args.warmup} warm-up steps, then {args.repeats} x {args.steps} "
-        f"timed decode steps per kvlab layout ({', '.join(args.layouts)}; blocks interleaved) and for Hugging Face "
+        f"timed decode steps per kvlab layout ({', '.join(args.layouts)}) x linear backend "
+        f"({', '.join(args.linear_backends)}) (blocks interleaved) and for Hugging Face "
         "`generate` (its default sdpa attention and dynamic cache; int4: its quantised cache, quanto, 4 bits). "
         "Bytes per step = unique weights + the batch's cached K/V at the format's size (mean context over the "
         "block); 'of roof' = (bytes / step time) / the streaming roof measured just before the cell. 'K/V GB/s': "
@@ -242,6 +250,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quants", nargs="+", default=["auto", "int4"], help="kvlab cache formats (auto: the dtype's)")
     p.add_argument("--layouts", nargs="+", default=["none", "auto"], choices=["none", "auto"],
                    help="kvlab engine.linear_layout values, interleaved per block")
+    p.add_argument("--linear-backends", nargs="+", default=["torch"], choices=["torch", "cpu"],
+                   help="kvlab engine.linear_backend values, interleaved per block (with every layout)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per layout (and for HF)")
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the first timed block")

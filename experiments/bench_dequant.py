@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 FORMATS = ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"]
 COLUMNS = [("format", "format"), ("step_ms", "decode step ms (median)"), ("vs_fp32", "vs fp32"),
@@ -114,5 +112,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -20,13 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.study.loggers.local import write_report
+from kvlab.study.timed_runs import Run, hf_generate_batch, kvlab_generate
+from kvlab.study.workloads.replay import Request
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
-
-from bench_throughput import Run, hf_generate_batch, kvlab_generate  # noqa: E402
-
-from kvlab.study.loggers.local import write_report  # noqa: E402
-from kvlab.study.workloads.replay import Request  # noqa: E402
 
 SYSTEMS = ("hf-cb", "hf-cb-sharing", "kvlab", "kvlab-hash", "kvlab-radix")
 

@@ -1,17 +1,22 @@
 """Multi-turn conversations over a pool too small for every conversation's history: recompute evicted prefixes
 (prefix caching, no tier) or bring them back from a tier below the pool (EngineConfig.offload, kvlab/cache/tiers/).
 
-Workload (as experiments/bench_compressed_turns.py): --conversations conversations side by side, --turns turns
-each; a turn's prompt is the conversation so far (earlier prompts and this run's own answers) plus a new
---user-len-token WikiText-2 user message, arriving when the previous answer is done; --max-tokens greedy new
-tokens per turn, EOS ignored. Every variant runs prefix caching (hash, LRU eviction) on the same --kv-memory pool:
+Workload (kvlab.study.workloads.conversations, shared with experiments/bench_compressed_turns.py):
+--conversations conversations of --turns turns; turn 0 is a --context-len-token WikiText-2 document (0: none)
+and a --user-len-token message, each later turn the conversation so far (earlier prompts and this run's own
+answers) plus a new --user-len-token message; --schedule concurrent (conversations side by side, a turn arriving
+when the previous answer is done) or round_robin (one turn at a time, each conversation in turn: a user returns
+after the others had theirs); --max-tokens greedy new tokens per turn, EOS ignored. Every variant runs prefix
+caching (hash, LRU eviction) on the same --kv-memory pool:
 - recompute: a history the prefix cache evicted is recomputed;
-- host / disk: evicted pages go to a host-memory / disk tier (LRU placement) and are restored on a hit;
-- host_arc, host_cost_aware: the host tier with the other built-in placements (--variants picks which run).
+- host / disk: evicted pages go to a host-memory / disk tier (LRU placement) and are restored on a hit (disk
+  reads ahead on the tier's worker thread; disk_sync reads when the request is scheduled);
+- host_arc, host_cost_aware, disk_cost_aware: the other built-in placements (--variants picks which run).
 Offloading changes only speed: the report checks every variant's answers equal the recompute run's. It gives the
-median time to first token of returning turns (turn >= 1), tok/s, the prefix hit rate (tokens), prompt tokens
-computed, pages restored per tier, bytes moved and the copy rate the tiers achieved (bytes moved / time moving),
-medians over --repeats runs (fresh engine each; variant order alternates between rounds).
+median time to first token of returning turns (turn >= 1) and its ratio to the recompute run's, tok/s, the prefix
+hit rate (tokens), prompt tokens computed, pages restored, read ahead (prefetched at add), recomputed by the cost
+model, bytes moved and the copy rate the tiers achieved (bytes moved / time moving), medians over --repeats runs
+(fresh engine each; variant order alternates between rounds).
 
     python experiments/bench_kv_tiers.py --model random:llama-tiny --conversations 3 --turns 3 --repeats 1 \
         --user-len 32 --max-tokens 8 --kv-memory 64KiB --block-size 4 --out /tmp/kv_tiers_smoke   # smoke (seconds)
@@ -24,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -34,53 +38,43 @@ VARIANTS = {
     "recompute": {},
     "host": {"offload": "host"},
     "disk": {"offload": "disk"},
+    "disk_sync": {"offload": "disk", "offload_args": {"async_reads": False}},
+    "host_disk": {"offload": "host_disk"},
     "host_arc": {"offload": "host", "offload_placement": "arc"},
     "host_cost_aware": {"offload": "host", "offload_placement": "cost_aware"},
+    "disk_cost_aware": {"offload": "disk", "offload_placement": "cost_aware"},
 }
 
 
 def measure(loaded, tokens: list[int], variant: str, args) -> dict:
     from kvlab import LLM
-    from kvlab.study.workloads.replay import Request, replay
+    from kvlab.study.workloads.conversations import Conversations
+    from kvlab.study.workloads.replay import replay
 
+    engine = dict(VARIANTS[variant])
+    tier_args = {"memory": args.tier_memory, "disk_memory": args.tier_memory, **engine.pop("offload_args", {})}
+    if variant == "host_disk":
+        tier_args["memory"] = args.host_disk_memory
     llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=args.block_size, kv_cache_memory=args.kv_memory,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
-              offload_args={"memory": args.tier_memory, "disk_memory": args.tier_memory}, **VARIANTS[variant])
-    rng = random.Random(args.seed)  # the same user messages for every variant
-
-    def cut() -> list[int]:
-        offset = rng.randrange(0, len(tokens) - args.user_len + 1)
-        return tokens[offset:offset + args.user_len]
-
-    messages = {(c, t): cut() for c in range(args.conversations) for t in range(args.turns)}
-    answers: dict[str, list[int]] = {}
-
-    def request(prompt: list[int], conv: int, turn: int, now: float) -> Request:
-        return Request(prompt, args.max_tokens, now, tag=f"conv{conv}/turn{turn}")
-
-    def next_turn(req, out, now: float):
-        answers[req.tag] = list(out.token_ids)
-        conv, turn = (int(x) for x in req.tag.removeprefix("conv").split("/turn"))
-        if turn + 1 >= args.turns:
-            return []
-        return [request(req.prompt_token_ids + list(out.token_ids) + messages[conv, turn + 1], conv, turn + 1, now)]
-
-    first = [request(messages[c, 0], c, 0, 0.0) for c in range(args.conversations)]
+              offload_args=tier_args, **engine)
+    work = Conversations(tokens, args.conversations, args.turns, args.user_len, args.max_tokens, args.context_len,
+                         args.schedule, args.seed)  # the same text for every variant
     start = time.perf_counter()
-    result = replay(llm, first, "real", follow_up=next_turn)
+    result = replay(llm, work.first(), "real", follow_up=work.follow_up)
     wall = time.perf_counter() - start
     stats = llm.engine.stats()
     llm.close()  # tiers drained, the disk tier's files removed
-    table = result.tables["workload_requests"]
-    returning = [r.ttft_s for r in table.itertuples() if not r.tag.endswith("/turn0") and r.ttft_s == r.ttft_s]
+    returning = Conversations.returning_ttfts(result.tables["workload_requests"])
     moved, moving = stats.get("tier_bytes_moved", 0), stats.get("tier_move_seconds", 0.0)
     return {"ttft_returning_median_s": statistics.median(returning) if returning else float("nan"),
             "tokens_per_s": stats["tokens_per_s"], "wall_s": wall,
             "prefix_hit_rate": stats["prefix_hit_rate_tokens"],
             "computed_prompt_tokens": stats["prompt_tokens"] - stats["prefix_hit_tokens"],
             "pages_restored": stats.get("tier_restored", 0), "pages_demoted": stats.get("tier_demoted", 0),
+            "prefetched": stats.get("tier_prefetched", 0), "recomputed": stats.get("tier_recomputed", 0),
             "mb_moved": moved / 2**20, "copy_mb_per_s": moved / 2**20 / moving if moving else float("nan"),
-            "preemptions": stats["preemptions"], "answers": answers}
+            "preemptions": stats["preemptions"], "answers": work.answers}
 
 
 def main(argv=None) -> dict:
@@ -91,6 +85,7 @@ def main(argv=None) -> dict:
     from kvlab.study.tasks.data import ByteTokenizer, corpus_tokens
     from kvlab.study.workloads.azure import DEFAULT_CORPUS
 
+    started, uptime_before = time.strftime("%Y-%m-%d %H:%M", time.gmtime()), uptime()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     tokenizer = loaded.tokenizer or ByteTokenizer(loaded.model.config.vocab_size)  # random: models have none
@@ -113,7 +108,8 @@ def main(argv=None) -> dict:
     import sys
 
     command = " ".join(["python experiments/bench_kv_tiers.py", *(sys.argv[1:] if argv is None else argv)])
-    results = {"command": command,
+    results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
+               "uptime_before": uptime_before, "uptime_after": uptime(),
                "args": vars(args), "rows": rows, "answers_identical_to_recompute": identical}
     text = report(results, args)
     out = Path(args.out)
@@ -124,6 +120,12 @@ def main(argv=None) -> dict:
     return results
 
 
+def uptime() -> str:
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def report(results: dict, args) -> str:
     cols = list(results["rows"][0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -132,12 +134,14 @@ def report(results: dict, args) -> str:
     same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in results["answers_identical_to_recompute"].items())
     return "\n".join([
         f"# KV tiers below the pool: {args.model}", "",
-        f"{args.conversations} conversations x {args.turns} turns, {args.user_len}-token WikiText-2 user messages, "
-        f"{args.max_tokens} greedy tokens per turn; prefix caching on a KV pool of {args.kv_memory}, block "
-        f"{args.block_size}; tiers of {args.tier_memory}; medians of {args.repeats} runs per variant (fresh engine "
-        f"each), {args.threads} torch thread(s)", "", *lines, "",
+        f"{args.conversations} conversations x {args.turns} turns ({args.schedule}), a {args.context_len}-token "
+        f"WikiText-2 document in turn 0, {args.user_len}-token WikiText-2 user messages, {args.max_tokens} greedy "
+        f"tokens per turn; prefix caching on a KV pool of {args.kv_memory}, block {args.block_size}; tiers of "
+        f"{args.tier_memory} (host_disk: host {args.host_disk_memory}); medians of {args.repeats} runs per variant "
+        f"(fresh engine each), {args.threads} torch thread(s)", "", *lines, "",
         f"Greedy answers identical to the recompute run's (every repeat): {same}", "",
-        f"Command: `{results['command']}`", ""])
+        f"Command: `{results['command']}`, run {results['date']}.", "",
+        f"`uptime` before: {results['uptime_before']}; after: {results['uptime_after']}", ""])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -148,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-len", type=int, default=128)
+    p.add_argument("--context-len", type=int, default=0, help="tokens of turn 0's shared-context document")
+    p.add_argument("--schedule", default="concurrent", choices=["concurrent", "round_robin"])
+    p.add_argument("--host-disk-memory", default="16MiB", help="the host tier's budget in the host_disk variant")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-memory", default="48MiB")
     p.add_argument("--tier-memory", default="1GiB", help="each tier's budget")

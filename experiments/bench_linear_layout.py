@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from bench_throughput import REPO, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, bench_main, provenance, table
 
 COLUMNS = [("group", "group"), ("shape", "fused weight"), ("dtype", "dtype"), ("batch", "batch"),
            ("separate_us", "separate us"), ("fused_us", "fused us"), ("separate_gb_s", "separate GB/s"),
@@ -93,16 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> list[dict]:
-    import torch
-
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    meta = metadata(args)
-    rows = run(args)
-    save(args.out, report(rows, meta, args), meta, rows)
-    return rows
+    return bench_main(parse_args, run, report, argv)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

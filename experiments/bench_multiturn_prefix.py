@@ -28,11 +28,10 @@ import copy
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, commit_line, load_average, log, metadata, table
+from kvlab.study.bench_io import REPO, commit_line, load_average, log, metadata, table
 
 VARIANTS = {"off": {}, "hash": {"enable_prefix_caching": True, "prefix_cache": "hash"},
             "radix": {"enable_prefix_caching": True, "prefix_cache": "radix"}}
@@ -172,5 +171,4 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

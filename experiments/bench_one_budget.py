@@ -42,12 +42,10 @@ import copy
 import itertools
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-from bench_throughput import REPO, fmt, load_average, log, metadata, provenance, table
+from kvlab.study.bench_io import REPO, fmt, load_average, log, metadata, provenance, table
 
 TECHNIQUES = ("prefix", "int4", "snapkv", "ngram")
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "num_steps", "preemptions",
@@ -428,5 +426,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -33,7 +33,7 @@ import statistics
 import time
 
 from bench_shared_pool import make_prompts
-from bench_throughput import commit_line, fmt, load_average, log, metadata, table
+from kvlab.study.bench_io import commit_line, fmt, load_average, log, metadata, table
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "num_steps", "preemptions",
          "ttft_median_s", "policy_compressions", "policy_s", "policy_pages_freed", "policy_bytes_freed")

@@ -19,11 +19,10 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, commit_line, load_average, log, metadata, table
+from kvlab.study.bench_io import REPO, commit_line, load_average, log, metadata, table
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "preemptions", "num_steps",
          "ttft_median_s", "kv_blocks_peak")
@@ -135,5 +134,4 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

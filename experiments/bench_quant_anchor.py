@@ -31,11 +31,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
-from pathlib import Path
 
-from bench_throughput import REPO, add_quality_args, log, metadata, provenance, quality_sizes, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
+from kvlab.study.quality_args import add_quality_args, quality_sizes
 
 COLUMNS = [("system", "system"), ("format", "format"), ("bytes_per_token", "KV B/token/layer held"),
            ("vs_fp32", "vs fp32"), ("ppl", "perplexity"), ("greedy_match", "greedy match"),
@@ -252,5 +251,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

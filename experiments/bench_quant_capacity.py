@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2")
 COLUMNS = [("format", "format"), ("prompt_len", "prompt tokens"), ("bytes_per_token", "pool B/token/layer"),
@@ -140,5 +138,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

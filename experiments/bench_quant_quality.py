@@ -26,11 +26,11 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-from bench_throughput import REPO, add_quality_args, log, metadata, provenance, quality_sizes, save, table
+from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
+from kvlab.study.quality_args import add_quality_args, quality_sizes
 
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("int8", {}), ("int4", {}),
            ("int2", {})]
@@ -176,5 +176,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("draft", "draft"),
@@ -89,7 +88,7 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
     torch.set_num_threads(args.threads)
     tokens = batch * (ctx + args.max_tokens + args.num_tokens + 16)
     engine = dict(dtype=DTYPES[dtype], block_size=16, enable_prefix_caching=True, max_num_seqs=max(batch, 1),
-                  max_num_batched_tokens=max(512, batch * ctx + 64), kv_cache_memory=args.kv_memory or
+                  max_num_batched_tokens=min(max(512, batch * ctx + 64), args.max_batched_tokens), kv_cache_memory=args.kv_memory or
                   max(int(tokens * 55_000), 64 << 20))
     plain = LLM(args.model, **engine)
     specs = [(label, LLM(args.model, draft=name, draft_args=dargs, **engine)) for label, name, dargs in drafts(args)]
@@ -147,6 +146,7 @@ def run_all(args) -> None:
     """Each cell in a process of its own (a fresh allocator and no model state carried between cells)."""
     passthrough = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                    "--num-tokens", str(args.num_tokens), "--budget", str(args.budget), "--threads", str(args.threads),
+                   "--max-batched-tokens", str(args.max_batched_tokens),
                    "--out", args.out] + (["--kv-memory", args.kv_memory] if args.kv_memory else [])
     for dtype, ctx, batch in cells(args):
         log(f"cell {dtype},{ctx},{batch}")
@@ -227,6 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=256, help="tokens of the StreamingLLM view the draft reads")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-batched-tokens", type=int, default=8192,
+                   help="prefill chunk cap (a 16 x 3k-token prefill in one step needs > 11 GiB in the reference attention)")
     p.add_argument("--kv-memory", default=None, help="KV pool per engine (default: what the cell needs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

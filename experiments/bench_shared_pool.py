@@ -32,7 +32,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from bench_throughput import REPO, commit_line, fmt, load_average, log, metadata, table
+from kvlab.study.bench_io import REPO, commit_line, fmt, load_average, log, metadata, table
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "kv_blocks_total",
          "kv_blocks_peak", "preemptions", "num_steps", "ttft_median_s", "generated_tokens")

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_shared_pool import make_prompts  # noqa: E402
-from bench_throughput import commit_line, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table  # noqa: E402
 
 COLUMNS = [("variant", "variant"), ("step_ms", "decode step ms (median)"), ("vs_full", "step time / full"),
            ("select_ms", "page selection ms per step"), ("read_share", "share of cached slots read"),

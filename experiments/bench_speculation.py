@@ -27,11 +27,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import commit_line, fmt, load_average, log, metadata, table  # noqa: E402
+from kvlab.study.bench_io import commit_line, fmt, load_average, log, metadata, table
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night its keeper "

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from bench_throughput import REPO, log, metadata, provenance, save, table
+from kvlab.study.bench_io import REPO, bench_main, log, provenance, table
 
 PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler",
          "engine rest"]
@@ -191,16 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> list[dict]:
-    import torch
-
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    meta = metadata(args)
-    rows = run(args)
-    save(args.out, report(rows, meta, args), meta, rows)
-    return rows
+    return bench_main(parse_args, run, report, argv)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -101,12 +101,16 @@ class EngineConfig:
     # tiers below the pool (with prefix caching): pages evicted from the prefix cache go to host memory and/or disk and
     # come back on a hit instead of being recomputed (kvlab/cache/tiers/); None: off
     offload: Literal["host", "disk", "host_disk"] | None = None
-    offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale
+    offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale, async_reads
     offload_placement: str = "lru"  # registered placement (kvlab.registry.PLACEMENTS): which tier a page goes to, which leaves
     offload_placement_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
     # the linear layers' weight layout (kvlab/engine/linear_layout.py): auto fuses the projections that read one input
     # (q/k/v, gate/up) into one matrix product each; none keeps the model's own modules. Off by default
     linear_layout: Literal["none", "auto"] = "none"
+    # who computes the linear layers (kvlab/engine/linear_backend.py): torch (F.linear); cpu runs kvlab's CPU kernel for
+    # passes of <= 32 rows (decode: each weight read once for the batch; every pass under batch_invariant), torch for
+    # prefill. Needs device cpu; without a compiler or AVX-512 it warns once and runs torch. Off by default
+    linear_backend: Literal["torch", "cpu"] = "torch"
 
     def __post_init__(self) -> None:
         for name in DICT_ARGS:
@@ -136,7 +140,8 @@ class EngineConfig:
         for name in DICT_ARGS:
             setattr(self, name, dict(getattr(self, name)))
         for key, problem in (("device", device_problem(self.device)),
-                             ("kernel_backend", backend_problem(self.kernel_backend, self.device))):
+                             ("kernel_backend", backend_problem(self.kernel_backend, self.device)),
+                             ("linear_backend", linear_backend_problem(self.linear_backend, self.device))):
             if problem:
                 raise EngineOptionError(key, problem)
         self._check_policy_budget()
@@ -174,6 +179,13 @@ def device_problem(device: str) -> str | None:
     module = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
     if dev.type != "cpu" and hasattr(module, "is_available") and not module.is_available():
         return f"{device!r}: {dev.type} is not available here; use device='cpu'"
+    return None
+
+
+def linear_backend_problem(backend: str, device: str) -> str | None:
+    """Why the linear backend cannot run on `device`, or None: the `cpu` kernel reads CPU tensors only."""
+    if backend == "cpu" and device.split(":")[0] != "cpu":
+        return f"'cpu' runs kvlab's CPU kernel, and the model is on {device!r}; use linear_backend='torch'"
     return None
 
 

@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
-from bench_throughput import commit_line, load_average, log, metadata, table  # noqa: E402
 from reference_format import load_reference  # noqa: E402
 
 KVLAB_NAME = {"knorm": "knorm", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",

@@ -7,6 +7,7 @@ else ~/.cache/kvlab/cpu_kernels. A build writes a temporary file and renames it 
 building at once never load a half-written library.
 
     lib = load_library()   # ctypes.CDLL, or None (one warning) when no compiler or the build fails
+    lib = load_linear_library()   # the same for linear.cpp (needs AVX-512: elsewhere the build fails, one warning)
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
-ABI_VERSION = 1  # kvlab_abi_version() of decode_attention.cpp
+ABI_VERSION = 2  # kvlab_abi_version() of decode_attention.cpp
+LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
+LINEAR_ABI_VERSION = 2  # kvlab_linear_abi_version() of linear.cpp
 
 
 def cache_dir() -> Path:
@@ -51,23 +54,27 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
-def library_path(cxx: str) -> Path:
+def library_path(cxx: str, source: Path | None = None) -> Path:
+    """Where `source` (default SOURCE, read at call time) compiled by `cxx` lives in the cache folder."""
+    source = SOURCE if source is None else source
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"decode_attention-{key.hexdigest()[:20]}.so"
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
 
 
-def build(cxx: str, target: Path) -> None:
-    """Compile SOURCE into `target` (atomically); raises RuntimeError with the compiler's message on failure."""
+def build(cxx: str, target: Path, source: Path | None = None) -> None:
+    """Compile `source` (default SOURCE) into `target` (atomically); raises RuntimeError with the compiler's
+    message on failure."""
+    source = SOURCE if source is None else source
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if done.returncode:
-            raise RuntimeError(f"{cxx} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"{cxx} failed on {source.name}:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -76,21 +83,34 @@ def build(cxx: str, target: Path) -> None:
 
 @lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels (built first when missing), or None after one warning."""
+    """The compiled decode-attention kernels (built first when missing), or None after one warning."""
+    return load_source(SOURCE, ABI_VERSION, "kvlab_abi_version", "CPU decode attention runs")  # SOURCE read now
+
+
+@lru_cache(maxsize=None)
+def load_linear_library() -> ctypes.CDLL | None:
+    """The compiled small-batch linear kernel (linear.cpp), or None after one warning."""
+    return load_source(LINEAR_SOURCE, LINEAR_ABI_VERSION, "kvlab_linear_abi_version", "CPU linear layers run")
+
+
+def load_source(source: Path, abi_version: int, abi_symbol: str, what: str) -> ctypes.CDLL | None:
+    """`source` compiled (built first when missing) and checked by its `abi_symbol()`, or None after one
+    warning saying that `what` (a subject and its verb) the torch reference."""
     cxx = compiler()
     if cxx is None:
-        warnings.warn("kvlab: no C++ compiler (g++) found: CPU decode attention runs the torch reference",
+        warnings.warn(f"kvlab: no C++ compiler (g++) found: {what} the torch reference",
                       RuntimeWarning, stacklevel=2)
         return None
     try:
-        target = library_path(cxx)
+        target = library_path(cxx, source)
         if not target.exists():
-            build(cxx, target)
+            build(cxx, target, source)
         lib = ctypes.CDLL(str(target))
-        if lib.kvlab_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{target} has ABI {lib.kvlab_abi_version()}, expected {ABI_VERSION}")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"kvlab: CPU kernels unavailable ({e}): CPU decode attention runs the torch reference",
+        found = getattr(lib, abi_symbol)()
+        if found != abi_version:
+            raise RuntimeError(f"{target} has ABI {found}, expected {abi_version}")
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"kvlab: CPU kernels unavailable ({e}): {what} the torch reference",
                       RuntimeWarning, stacklevel=2)
         return None
     return lib

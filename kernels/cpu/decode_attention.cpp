@@ -5,7 +5,11 @@
 // Work unit: (row b, key chunk c), every KV head. Chunk c covers the absolute cache indices
 // [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
 // length, never on the batch: every row reduces in the same order whatever else the step holds.
-// The G query heads of a KV head share each decoded K/V row (GQA).
+// The G query heads of a KV head share each decoded K/V row (GQA). With AVX-512 and head_dim 64 / 128 / 256
+// the vector path runs (attend_unit_vec): a tile's keys scored 16 at a time with one transposing reduction,
+// the G heads' value sums accumulated together, fp32 / bf16 / fp16 pools read in place (bf16 widened in
+// registers), the next tile's K/V slots prefetched while this one is computed; otherwise the portable path.
+// Attention statistics (optional): each row's scaled scores kept, then exp(s - max) / sum per key, over G heads.
 //
 // Storage read in-register (decoded a head row of D channels at a time into an L1 buffer):
 //   kind 0/1/2   fp32 / bf16 / fp16 pool tensor            [NB, bs, Hkv, D] (strided)
@@ -55,7 +59,10 @@ struct Side {
 
 namespace {
 
-constexpr int TILE = 32;  // keys per online-softmax step
+#ifndef KVLAB_TILE
+#define KVLAB_TILE 32
+#endif
+constexpr int TILE = KVLAB_TILE;  // keys per online-softmax step (a multiple of 16)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float bf16_to_float(uint16_t x) {
@@ -169,7 +176,13 @@ inline __attribute__((always_inline)) const float* load_row(const Side& s, int64
         case 10: {
             const int8_t* c = (const int8_t*)s.data + (slot * Hkv + h) * D;
             float sc = half_to_float(s.scale16[slot * Hkv + h]);
-            for (int d = 0; d < D; ++d) buf[d] = float(c[d]) * sc;
+            int d = 0;
+#if defined(__AVX512F__)
+            for (const __m512 sv = _mm512_set1_ps(sc); d + 16 <= D; d += 16)  // 16 codes widened in registers
+                _mm512_storeu_ps(buf + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                            _mm_loadu_si128((const __m128i*)(c + d)))), sv));
+#endif
+            for (; d < D; ++d) buf[d] = float(c[d]) * sc;
             return buf;
         }
         case 13: {
@@ -392,7 +405,39 @@ struct Args {
     const int32_t* tokens; const int32_t* seq_lens; const int32_t* first_key;
     int Hkv, G, D, page;
     float scale, softcap;
+    float* raw;              // null, or the scaled scores of every decode row: row b's [Hkv * G, seq_len - first_key]
+    const int64_t* raw_off;  // [B] where row b's start in `raw`
 };
+
+// Where the scaled scores of row b, query head hg, key j go (null: no statistics).
+inline float* raw_at(const Args& a, int b, int hg, int j) {
+    if (!a.raw) return nullptr;
+    return a.raw + a.raw_off[b] + int64_t(hg) * (a.seq_lens[b] - a.first_key[b]) + (j - a.first_key[b]);
+}
+
+// One tile's online-softmax step for one query head: scores sg[0..n) (raw q . k) become weights exp(s - m'),
+// acc [D] and l are rescaled to the new running max m'. `raw` (when not null) receives the scaled (and
+// soft-capped) scores, for the attention statistics. Returns false (and zero weights) when no key of the tile is
+// visible and none was before.
+inline bool softmax_tile(const Args& a, float* sg, int n, float* m, float* l, float* acc, int D, float* raw) {
+    if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
+        for (int i = 0; i < n; ++i)
+            sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
+    const float mt = scale_max(sg, n, a.softcap > 0.f ? 1.f : a.scale, *m);
+    if (raw) std::memcpy(raw, sg, sizeof(float) * n);
+    if (mt == NEG_INF) {
+        std::memset(sg, 0, sizeof(float) * n);
+        return false;
+    }
+    const float alpha = std::exp(*m - mt);
+    if (alpha != 1.f) {
+        for (int d = 0; d < D; ++d) acc[d] *= alpha;
+        *l *= alpha;
+    }
+    *l += exp_sub(sg, n, mt);
+    *m = mt;
+    return true;
+}
 
 // Bytes of one key's slot (every KV head) in a side's main storage, and where it starts.
 inline const char* slot_bytes(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D, int64_t* n) {
@@ -406,16 +451,47 @@ inline const char* slot_bytes(const Side& s, int64_t page, int pos, int page_siz
     return (const char*)s.data + (page * page_size + pos) * per_slot;
 }
 
+// A cache line prefetched into L1. Not __builtin_prefetch (nor _mm_prefetch, built on it): GCC finds the
+// functions that only prefetch free of side effects and drops every call to them (the kernel's first version
+// issued no prefetch at all); a volatile asm stays.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// The scales / zero points a packed kind reads with a key's codes.
+__attribute__((noinline)) void prefetch_scales(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
+    const int64_t slot = page * page_size + pos;
+    int64_t g0 = -1, ng = 0;
+    if (s.kind == 10 || s.kind == 13) {  // fp16 scale per token per head
+        g0 = slot * Hkv, ng = Hkv;
+    } else if (s.kind == 11) {  // KIVI keys: per channel over `group` tokens, read at the group's first token
+        if (pos % s.group == 0) g0 = (page * (page_size / s.group) + pos / s.group) * Hkv * D, ng = int64_t(Hkv) * D;
+    } else {  // KIVI values: per token over `group` channels
+        ng = int64_t(Hkv) * (D / s.group), g0 = slot * ng;
+    }
+    if (g0 < 0) return;
+    for (int64_t o = 0; o < 2 * ng + 63; o += 64) {
+        prefetch_line((const char*)(s.scale16 + g0) + std::min(o, 2 * ng - 1));
+        if (s.zero16) prefetch_line((const char*)(s.zero16 + g0) + std::min(o, 2 * ng - 1));
+    }
+}
+
+// A key's slot (every KV head) of one side: its codes, and for packed kinds their scales / zero points.
 inline void prefetch_slot(const Side& s, int64_t page, int pos, int page_size, int Hkv, int D) {
     int64_t n;
     const char* p = slot_bytes(s, page, pos, page_size, Hkv, D, &n);
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (int64_t o = 0; o < n; o += 64) prefetch_line(p + o);
+    if (s.kind >= 10 && s.scale16) prefetch_scales(s, page, pos, page_size, Hkv, D);
 }
 
 // One unit: keys [lo, hi) of row b, every KV head -> m [Hkv, G], l [Hkv, G], acc [Hkv, G, D] (unnormalised).
 // Keys are walked in order, a tile at a time, reading each key's slot (all its heads) while the next
 // tile's slots are prefetched.
-void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
+void attend_unit_generic(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
     const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
     const size_t tmp_len = 2 * size_t(D) + 2;  // scale / zero rows of one KV head and their tag
     thread_local std::vector<float> scratch;
@@ -468,39 +544,281 @@ void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float
             for (int g = 0; g < G; ++g) {  // online softmax: rescale once per tile
                 const int hg = h * G + g;
                 float* sg = s + size_t(hg) * TILE;
-                if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
-                    for (int i = 0; i < n; ++i)
-                        sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
-                const float mt = scale_max(sg, n, a.softcap > 0.f ? 1.f : a.scale, m[hg]);
-                if (mt == NEG_INF) continue;
-                const float alpha = std::exp(m[hg] - mt);
                 float* ag = acc + size_t(hg) * D;
-                if (alpha != 1.f) {
-                    for (int d = 0; d < D; ++d) ag[d] *= alpha;
-                    l[hg] *= alpha;
-                }
-                l[hg] += exp_sub(sg, n, mt);
-                m[hg] = mt;
+                if (!softmax_tile(a, sg, n, m + hg, l + hg, ag, D, raw_at(a, b, hg, j0))) continue;
                 accumulate(ag, sg, vrow, n, D);
             }
         }
     }
 }
 
+#if defined(__AVX512F__)
+// ---- The vector path: AVX-512, head_dim 64 / 128 / 256 ----
+// Scores: 16 keys at a time, each key's 16-lane partial products (one FMA chain over its chunks), then one
+// transposing reduction of the 16 partials (no key pays a horizontal sum of its own). Values: the G query heads
+// of a KV head accumulate every V row together (G x 4 independent FMA chains per 64 channels, each V chunk
+// loaded once for them). Element-wise pools are read in place and widened in registers; bf16 without a shuffle:
+// a 32-bit lane of 32 loaded channels holds channel 2j (low half) and 2j + 1 (high half), so `lane << 16` and
+// `lane & 0xffff0000` are the even and the odd channels. Such rows are read in that "lane order": q is permuted
+// to it for scoring, and a bf16 V side's accumulators are permuted back when the unit ends. Every sum still runs
+// in a fixed order that depends on nothing but the row's own keys.
+
+enum Src { F32 = 0, BF16 = 1, F16 = 2 };  // how a row's chunks are loaded (decoded kinds: F32 rows in a buffer)
+
+template <int S>
+inline __m512 chunk(const void* row, int c) {  // 16 channels of a row, in its lane order
+    if constexpr (S == F32) {
+        return _mm512_loadu_ps((const float*)row + 16 * c);
+    } else if constexpr (S == F16) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + 16 * c)));
+    } else {
+        const __m512i w = _mm512_loadu_si512((const uint16_t*)row + 32 * (c >> 1));
+        return _mm512_castsi512_ps(c & 1 ? _mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u)))
+                                         : _mm512_slli_epi32(w, 16));
+    }
+}
+
+// Lane i of the result = the sum of the 16 lanes of p[i] (a fixed tree: halves, quarters, pairs, then one permute).
+inline __m512 transpose_sum16(const __m512* p) {
+    __m512 t[8], u[4], v[2];
+    for (int j = 0; j < 8; ++j)  // t[j]: 128-bit lanes 0-1 key 2j, 2-3 key 2j + 1
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0xee));
+    for (int j = 0; j < 4; ++j)  // u[j]: 128-bit lane k holds key 4j + k
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xdd));
+    for (int j = 0; j < 2; ++j)  // v[j]: lane k holds keys 8j + k (elements 0, 2) and 8j + 4 + k (1, 3)
+        v[j] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * j], u[2 * j + 1]), _mm512_unpackhi_ps(u[2 * j], u[2 * j + 1]));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x44), _mm512_shuffle_ps(v[0], v[1], 0xee));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+// s[g * TILE + i] = q[g] . rows[i] for g < G, i < n (rows past n: any readable row); q [G, D] in the rows' lane order.
+template <int S, int NC>
+void score_tile(const float* q, int G, const void* const* rows, int n, float* s) {
+    for (int g = 0; g < G; ++g) {
+        __m512 qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + size_t(g) * NC * 16 + 16 * c);
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            __m512 p[16];
+            for (int i = 0; i < 16; ++i) {
+                const void* r = rows[i0 + i];
+                __m512 x = _mm512_mul_ps(qv[0], chunk<S>(r, 0));
+#pragma GCC unroll 16
+                for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], chunk<S>(r, c), x);
+                p[i] = x;
+            }
+            _mm512_storeu_ps(s + g * TILE + i0, transpose_sum16(p));
+        }
+    }
+}
+
+// acc[g] [chunks 0..CB) += sum over i < n of w[g * TILE + i] * rows[i] for g < GB, keys in order.
+template <int S, int GB, int CB>
+inline void accumulate_block(float* acc, int D, const float* w, const void* const* rows, int n) {
+    __m512 x[GB][CB];
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < CB; ++c) x[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+    for (int i = 0; i < n; ++i) {
+        __m512 v[CB];
+        for (int c = 0; c < CB; ++c) v[c] = chunk<S>(rows[i], c);
+        for (int g = 0; g < GB; ++g) {
+            const __m512 wg = _mm512_set1_ps(w[g * TILE + i]);
+            for (int c = 0; c < CB; ++c) x[g][c] = _mm512_fmadd_ps(wg, v[c], x[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, x[g][c]);
+}
+
+// acc [G, D] (V's lane order) += w [G, TILE] x rows [n, D]: blocks of 4 heads x 64 channels.
+template <int S>
+void accumulate_tile(float* acc, int G, int D, const float* w, const void* const* rows, int n) {
+    constexpr int esize = S == F32 ? 4 : 2;
+    const void* r[TILE];
+    for (int c0 = 0; c0 < D / 16; c0 += 4) {
+        for (int i = 0; i < n; ++i) r[i] = (const char*)rows[i] + 16 * c0 * esize;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            float* ag = acc + size_t(g0) * D + 16 * c0;
+            const float* wg = w + g0 * TILE;
+            switch (std::min(4, G - g0)) {
+                case 1: accumulate_block<S, 1, 4>(ag, D, wg, r, n); break;
+                case 2: accumulate_block<S, 2, 4>(ag, D, wg, r, n); break;
+                case 3: accumulate_block<S, 3, 4>(ag, D, wg, r, n); break;
+                default: accumulate_block<S, 4, 4>(ag, D, wg, r, n); break;
+            }
+        }
+    }
+}
+
+template <int S>
+void score_any(const float* q, int G, int D, const void* const* rows, int n, float* s) {
+    switch (D) {
+        case 64: return score_tile<S, 4>(q, G, rows, n, s);
+        case 128: return score_tile<S, 8>(q, G, rows, n, s);
+        default: return score_tile<S, 16>(q, G, rows, n, s);
+    }
+}
+
+inline void score(int src, const float* q, int G, int D, const void* const* rows, int n, float* s) {
+    switch (src) {
+        case F32: return score_any<F32>(q, G, D, rows, n, s);
+        case BF16: return score_any<BF16>(q, G, D, rows, n, s);
+        default: return score_any<F16>(q, G, D, rows, n, s);
+    }
+}
+
+inline void accumulate_src(int src, float* acc, int G, int D, const float* w, const void* const* rows, int n) {
+    switch (src) {
+        case F32: return accumulate_tile<F32>(acc, G, D, w, rows, n);
+        case BF16: return accumulate_tile<BF16>(acc, G, D, w, rows, n);
+        default: return accumulate_tile<F16>(acc, G, D, w, rows, n);
+    }
+}
+
+// lane order of a bf16 row <-> channel order, per 32 channels: lane j <-> channel 2j, lane 16 + j <-> 2j + 1.
+inline void to_bf16_lanes(const float* x, float* y, int D) {
+    for (int b = 0; b < D; b += 32)
+        for (int j = 0; j < 16; ++j) { y[b + j] = x[b + 2 * j]; y[b + 16 + j] = x[b + 2 * j + 1]; }
+}
+
+inline void from_bf16_lanes(float* x, int D, float* tmp) {
+    std::memcpy(tmp, x, sizeof(float) * D);
+    for (int b = 0; b < D; b += 32)
+        for (int j = 0; j < 16; ++j) { x[b + 2 * j] = tmp[b + j]; x[b + 2 * j + 1] = tmp[b + 16 + j]; }
+}
+
+// Where a key's slot (page, pos) of an element-wise side (kinds 0-2) starts, as bytes; head h is at + h * head_bytes.
+inline const char* slot_at(const Side& s, int64_t page, int pos) {
+    return (const char*)s.data + (page * s.s_block + pos * s.s_pos) * (s.kind == 0 ? 4 : 2);
+}
+
+#ifndef KVLAB_PREFETCH_AHEAD
+#define KVLAB_PREFETCH_AHEAD 1  // tiles ahead whose K and V slots are prefetched
+#endif
+
+void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
+    const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
+    const int ks = a.k->kind <= 2 ? a.k->kind : F32, vs = a.v->kind <= 2 ? a.v->kind : F32;
+    const size_t tmp_len = 2 * size_t(D) + 2;
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + size_t(HG) * TILE + D);
+    float* qg = scratch.data();                       // [Hkv * G, D] in K's lane order
+    float* ktmp = qg + size_t(HG) * D;                // [Hkv, tmp_len]
+    float* vtmp = ktmp + Hkv * tmp_len;               // [Hkv, tmp_len]
+    float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows (packed / fp8 kinds)
+    float* vbuf = kbuf + size_t(TILE) * Hkv * D;      // [TILE, Hkv, D]
+    float* zeros = vbuf + size_t(TILE) * Hkv * D;     // [D] the row a released key (or a padding lane) reads
+    float* s = zeros + D;                             // [Hkv * G, TILE] scores, then weights
+    float* tmp = s + size_t(HG) * TILE;               // [D]
+    for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;
+    std::memset(zeros, 0, sizeof(float) * D);
+    const void* rows[TILE];
+    const char* kslot[TILE];
+    const char* vslot[TILE];
+    int64_t pages[TILE];
+    int pos_of[TILE];
+    const bool direct_k = a.k->kind <= 2, direct_v = a.v->kind <= 2;  // read in place (else decoded into a buffer)
+    const int64_t k_head = a.k->s_head * (a.k->kind == 0 ? 4 : 2), v_head = a.v->s_head * (a.v->kind == 0 ? 4 : 2);
+    const int t = a.tokens[b];
+    for (int hg = 0; hg < HG; ++hg) {
+        const float* src = a.q + t * a.q_st + int64_t(hg) * a.q_sh;
+        if (ks == BF16) to_bf16_lanes(src, qg + size_t(hg) * D, D);
+        else std::memcpy(qg + size_t(hg) * D, src, sizeof(float) * D);
+        m[hg] = NEG_INF;
+        l[hg] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * HG * D);
+    const int32_t* table = a.tables + b * a.table_stride;
+    int col = lo / a.page, pos = lo % a.page;    // table column and slot of the next key
+    int pcol = col, ppos = pos, prefetched = lo;  // and of the next key to prefetch
+    auto prefetch_to = [&](int until) {
+        for (; prefetched < std::min(until, hi); ++prefetched) {
+            const int64_t pg = table[pcol];
+            if (pg >= 0) {
+                prefetch_slot(*a.k, pg, ppos, a.page, Hkv, D);
+                prefetch_slot(*a.v, pg, ppos, a.page, Hkv, D);
+            }
+            if (++ppos == a.page) { ppos = 0; ++pcol; }
+        }
+    };
+    for (int j0 = lo; j0 < hi; j0 += TILE) {
+        const int n = std::min(TILE, hi - j0);
+        // the keys up to KVLAB_PREFETCH_AHEAD tiles ahead are prefetched, the next tile's a part before each
+        // head's scores and values (in one burst they fill the miss queue and the loads of this tile wait behind it)
+        const int pf_base = j0 + KVLAB_PREFETCH_AHEAD * TILE;
+        prefetch_to(pf_base);
+        for (int i = 0; i < n; ++i) {
+            pos_of[i] = pos;
+            pages[i] = table[col];
+            if (++pos == a.page) { pos = 0; ++col; }
+        }
+        if (direct_k)
+            for (int i = 0; i < n; ++i) kslot[i] = pages[i] < 0 ? nullptr : slot_at(*a.k, pages[i], pos_of[i]);
+        if (direct_v)
+            for (int i = 0; i < n; ++i) vslot[i] = pages[i] < 0 ? nullptr : slot_at(*a.v, pages[i], pos_of[i]);
+        for (int h = 0; h < Hkv; ++h) {
+            const int n16 = (n + 15) & ~15;
+            for (int i = 0; i < n16; ++i)
+                rows[i] = i >= n || pages[i] < 0 ? (const void*)zeros
+                          : direct_k ? (const void*)(kslot[i] + h * k_head)
+                                     : load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                                kbuf + (size_t(i) * Hkv + h) * D, ktmp + h * tmp_len);
+            prefetch_to(pf_base + (2 * h + 1) * TILE / (2 * Hkv));
+            float* sh = s + size_t(h * G) * TILE;
+            score(ks, qg + size_t(h * G) * D, G, D, rows, n, sh);
+            for (int i = 0; i < n; ++i)
+                if (pages[i] < 0)  // released page: never attended to
+                    for (int g = 0; g < G; ++g) sh[g * TILE + i] = NEG_INF;
+            bool any = false;
+            for (int g = 0; g < G; ++g) {
+                const int hg = h * G + g;
+                any |= softmax_tile(a, sh + g * TILE, n, m + hg, l + hg, acc + size_t(hg) * D, D, raw_at(a, b, hg, j0));
+            }
+            prefetch_to(pf_base + (2 * h + 2) * TILE / (2 * Hkv));
+            if (!any) continue;
+            for (int i = 0; i < n; ++i)  // each V row read once for the G heads
+                rows[i] = pages[i] < 0 ? (const void*)zeros
+                          : direct_v ? (const void*)(vslot[i] + h * v_head)
+                                     : load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                                vbuf + (size_t(i) * Hkv + h) * D, vtmp + h * tmp_len);
+            accumulate_src(vs, acc + size_t(h * G) * D, G, D, sh, rows, n);
+        }
+    }
+    if (vs == BF16)
+        for (int hg = 0; hg < HG; ++hg) from_bf16_lanes(acc + size_t(hg) * D, D, tmp);
+}
+#endif  // __AVX512F__
+
+void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
+#if defined(__AVX512F__)
+    if (a.D == 64 || a.D == 128 || a.D == 256) return attend_unit_vec(a, b, lo, hi, m, l, acc);
+#endif
+    attend_unit_generic(a, b, lo, hi, m, l, acc);
+}
+
 }  // namespace
 
 extern "C" {
 
-// Returns 0 on success.
+// Returns 0 on success. `stats` (null: none): the attention statistics of each decode row, the mass every key
+// j in [first_key, seq_len) received summed over the G query heads of KV head h, written at
+// stats[stats_off[b] + h * stats_h + j] (the caller zeroes the rest).
 int kvlab_decode_attention(
     const float* q, int64_t q_st, int64_t q_sh,
     float* out, int64_t o_st, int64_t o_sh,
     const Side* k, const Side* v,
     const int32_t* tables, int64_t table_stride,
     const int32_t* tokens, const int32_t* seq_lens, const int32_t* first_key,
-    int B, int Hkv, int G, int D, int page, float scale, float softcap, int chunk_keys, int num_threads) {
+    int B, int Hkv, int G, int D, int page, float scale, float softcap, int chunk_keys, int num_threads,
+    float* stats, int64_t stats_h, const int64_t* stats_off) {
     if (chunk_keys < 1 || D < 1 || G < 1) return 1;
-    Args a{q, q_st, q_sh, k, v, tables, table_stride, tokens, seq_lens, first_key, Hkv, G, D, page, scale, softcap};
+    const int HG = Hkv * G;
+    std::vector<int64_t> raw_off(B + 1, 0);  // scaled scores of every row (statistics only)
+    for (int b = 0; b < B; ++b) raw_off[b + 1] = raw_off[b] + int64_t(HG) * std::max(0, seq_lens[b] - first_key[b]);
+    std::vector<float> raw(stats ? raw_off[B] : 0);
+    Args a{q, q_st, q_sh, k, v, tables, table_stride, tokens, seq_lens, first_key, Hkv, G, D, page, scale, softcap,
+           stats ? raw.data() : nullptr, raw_off.data()};
     // units: (b, chunk) pairs in row order, each for every KV head
     std::vector<int> unit_row, unit_chunk, row_first(B + 1, 0);
     for (int b = 0; b < B; ++b) {
@@ -510,22 +828,23 @@ int kvlab_decode_attention(
         row_first[b + 1] = int(unit_row.size());
     }
     const int U = int(unit_row.size());
-    std::vector<float> m(size_t(U) * Hkv * G), l(m.size()), acc(m.size() * D);
+    std::vector<float> m(size_t(U) * HG), l(m.size()), acc(m.size() * D);
+    std::vector<float> row_max(size_t(B) * HG), row_sum(row_max.size());  // each row's softmax max and denominator
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int u = 0; u < U; ++u) {
         const int b = unit_row[u];
         const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
         const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
-        const size_t at = size_t(u) * Hkv * G;
+        const size_t at = size_t(u) * HG;
         attend_unit(a, b, lo, hi, &m[at], &l[at], &acc[at * D]);
     }
     // reduce the partials of each (row, head) in chunk order
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t bh = 0; bh < int64_t(B) * Hkv * G; ++bh) {
-        const int b = int(bh / (int64_t(Hkv) * G)), hg = int(bh % (int64_t(Hkv) * G));
-        const int h = hg / G, g = hg % G;
+    for (int64_t bh = 0; bh < int64_t(B) * HG; ++bh) {
+        const int b = int(bh / HG), hg = int(bh % HG);
         float mx = NEG_INF;
-        for (int u = row_first[b]; u < row_first[b + 1]; ++u) mx = std::max(mx, m[(size_t(u) * Hkv + h) * G + g]);
+        for (int u = row_first[b]; u < row_first[b + 1]; ++u) mx = std::max(mx, m[size_t(u) * HG + hg]);
+        row_max[bh] = mx;
         float* o = out + int64_t(tokens[b]) * o_st + int64_t(hg) * o_sh;
         if (mx == NEG_INF) {  // no visible key
             for (int d = 0; d < D; ++d) o[d] = 0.f;
@@ -534,19 +853,34 @@ int kvlab_decode_attention(
         float lsum = 0.f;
         std::vector<float> sum(D, 0.f);
         for (int u = row_first[b]; u < row_first[b + 1]; ++u) {
-            const size_t at = (size_t(u) * Hkv + h) * G + g;
+            const size_t at = size_t(u) * HG + hg;
             if (m[at] == NEG_INF) continue;
             const float w = std::exp(m[at] - mx);
             lsum += l[at] * w;
             const float* ac = &acc[at * D];
             for (int d = 0; d < D; ++d) sum[d] += ac[d] * w;
         }
+        row_sum[bh] = lsum;
         const float inv = 1.f / lsum;
         for (int d = 0; d < D; ++d) o[d] = sum[d] * inv;
+    }
+    if (!stats) return 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t bh = 0; bh < int64_t(B) * Hkv; ++bh) {  // P[g, j] = exp(s - max) / sum, summed over g in order
+        const int b = int(bh / Hkv), h = int(bh % Hkv), lo = first_key[b], n = seq_lens[b] - lo;
+        float* st = stats + stats_off[b] + int64_t(h) * stats_h + lo;
+        for (int j = 0; j < n; ++j) st[j] = 0.f;
+        for (int g = 0; g < G; ++g) {
+            const int64_t at = int64_t(b) * HG + h * G + g;
+            if (row_max[at] == NEG_INF) continue;
+            const float mx = row_max[at], inv = 1.f / row_sum[at];
+            const float* r = raw.data() + raw_off[b] + int64_t(h * G + g) * n;
+            for (int j = 0; j < n; ++j) st[j] += std::exp(r[j] - mx) * inv;
+        }
     }
     return 0;
 }
 
-int kvlab_abi_version() { return 1; }
+int kvlab_abi_version() { return 2; }
 
 }  // extern "C"

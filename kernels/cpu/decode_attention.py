@@ -3,9 +3,11 @@
 Same signatures as kvlab.kernels.reference.paged_attention. Decode rows (one query each) run the C++
 kernel, which reads K/V straight from the pool through the block table (each cached byte once, online
 softmax, the G query heads of a KV head sharing every decoded row; PagedAttention arXiv:2309.06180,
-Flash-Decoding's split over key ranges). Extend rows (prefill chunks, verification) run the reference
-over a plan of their own; a tree mask, or a pool the kernel cannot read, runs the whole step on the
-reference. Attention statistics (`return_stats`) always come from the reference.
+Flash-Decoding's split over key ranges). Extend rows (prefill chunks, verification, token trees) run the
+reference over a plan of their own, with their rows of a tree mask; a decode row runs the kernel unless a tree
+mask hides one of its keys (then it joins them). A pool the kernel cannot read runs the whole step on the
+reference. Attention statistics (`return_stats`): the kernel's for its rows (the mass each key received,
+summed over the G query heads), the reference's for the others.
 
 A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
 row alone, never on the batch. The engine's batch-invariant mode still runs kvlab.kernels.reference.
@@ -62,7 +64,7 @@ def _kernel():
     fn = lib.kvlab_decode_attention
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, i64, i64, ctypes.POINTER(_Side), ctypes.POINTER(_Side), p, i64, p, p, p,
-                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32]
+                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32, p, i64, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -82,22 +84,34 @@ class _DecodeRows:
     """The plan's decode rows as the kernel reads them, and its extend rows as a plan of their own."""
 
     tokens: torch.Tensor  # [n] int32 packed query token of each decode row
+    rows: torch.Tensor  # [n] int64 the plan's row (sequence) of each decode row
     seq_lens: torch.Tensor  # [n] int32
     first_key: torch.Tensor  # [n] int32 first visible cache index (sliding window)
     tables: torch.Tensor  # [n, width] int32 (-1: released / padding)
     all_decode: bool
     extend_plan: AttentionPlan | None
     extend_tokens: torch.Tensor | None  # [m] int64 packed tokens of the extend rows
+    extend_rows: torch.Tensor | None  # [e] int64 the plan's rows they are
 
 
 def _decode_rows(plan: AttentionPlan) -> _DecodeRows:
     return memo(plan, "cpu.decode", _build_decode_rows)
 
 
+def _unrestricted(plan: AttentionPlan, b: int) -> bool:
+    """Whether decode row b sees every key up to its own: no tree mask, or its mask row hides none of its columns
+    (a decode row's mask covers the keys from its tree start, by default itself alone)."""
+    if plan.tree_mask is None:
+        return True
+    start = plan.tree_starts[b] if plan.tree_starts is not None else plan.seq_lens[b] - 1
+    return bool(plan.tree_mask[plan.cu_seqlens_q[b], : plan.seq_lens[b] - start].all())
+
+
 def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
     q_lens, cu, lens, w = plan.q_lens, plan.cu_seqlens_q, plan.seq_lens, plan.sliding_window
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    extend = [b for b, n in enumerate(q_lens) if n > 1]
+    decode = [b for b, n in enumerate(q_lens) if n == 1 and _unrestricted(plan, b)]
+    kernel_rows = set(decode)
+    extend = [b for b in range(len(q_lens)) if b not in kernel_rows]  # extend rows, and decode rows a tree masks
     tables = plan.block_tables
     if isinstance(tables, torch.Tensor):
         tables = tables.to(device="cpu", dtype=torch.int32).reshape(plan.batch_size, -1)[decode]
@@ -113,16 +127,20 @@ def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
             ext_cu.append(ext_cu[-1] + q_lens[b])
         ext_tables = plan.block_tables
         ext_tables = ext_tables[extend] if isinstance(ext_tables, torch.Tensor) else [ext_tables[b] for b in extend]
+        tree = None if plan.tree_mask is None else plan.tree_mask.index_select(0, extend_tokens.to(plan.device))
+        starts = None if plan.tree_starts is None else [plan.tree_starts[b] for b in extend]
         extend_plan = plan_paged_attention(ext_cu, [lens[b] for b in extend], ext_tables, plan.block_size, w,
-                                           plan.device, null_block=plan.null_block)
+                                           plan.device, tree_mask=tree, tree_starts=starts, null_block=plan.null_block)
     return _DecodeRows(
         tokens=as_i32([cu[b] for b in decode]),
+        rows=torch.tensor(decode, dtype=torch.int64),
         seq_lens=as_i32([lens[b] for b in decode]),
         first_key=as_i32([0 if w is None else max(0, lens[b] - w) for b in decode]),
         tables=tables.contiguous(),
         all_decode=not extend,
         extend_plan=extend_plan,
         extend_tokens=extend_tokens,
+        extend_rows=torch.tensor(extend, dtype=torch.int64) if extend else None,
     )
 
 
@@ -230,24 +248,34 @@ def run_paged_attention(
         q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
         return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)
     kernel = _kernel() if enabled() else None
-    if kernel is None or plan.tree_mask is not None or q.device.type != "cpu" or 1 not in plan.q_lens:
+    if kernel is None or q.device.type != "cpu" or 1 not in plan.q_lens:
         return reference()
     k_side, v_side = _side(k_cache, k_scale), _side(v_cache, v_scale)
     if k_side is None or v_side is None:
         return reference()
     _check_inputs(q, k_cache, plan, out)
     rows = _decode_rows(plan)
+    if not rows.tokens.shape[0]:  # every decode row under a tree mask that hides some of its keys
+        return reference()
     out = q.new_empty(q.shape) if out is None else out
     direct = out.dtype == torch.float32
     target = out if direct else torch.empty(q.shape, dtype=torch.float32)  # [T, Hq, D]
     q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float().contiguous()
     _, bs, hkv, d = k_cache.shape
+    stats = stats_ptr = stats_off = None
+    if return_stats:  # decode rows' statistics from the kernel, the others' from the reference (below)
+        stats = torch.zeros(plan.batch_size, hkv, max(plan.seq_lens, default=0)) if stats_out is None \
+            else stats_out.zero_()
+        if stats_window is None or stats_window >= 1:  # a window of 0 counts no query: zeros
+            stats_off = rows.rows * stats.stride(0)
+            stats_ptr = stats.data_ptr()
     status = kernel(
         q32.data_ptr(), q32.stride(0), q32.stride(1), target.data_ptr(), target.stride(0), target.stride(1),
         k_side[0], v_side[0], rows.tables.data_ptr(), rows.tables.stride(0),
         rows.tokens.data_ptr(), rows.seq_lens.data_ptr(), rows.first_key.data_ptr(),
         rows.tokens.shape[0], hkv, q.shape[1] // hkv, d, bs, float(scale), float(softcap or 0.0), CHUNK_KEYS,
-        torch.get_num_threads())
+        torch.get_num_threads(), stats_ptr, 0 if stats is None else stats.stride(1),
+        None if stats_off is None else stats_off.data_ptr())
     if status:
         raise RuntimeError(f"kvlab_decode_attention failed with status {status}")
     if not direct:
@@ -257,14 +285,15 @@ def run_paged_attention(
             index = rows.tokens.long()
             out.index_copy_(0, index, target.index_select(0, index).to(out.dtype))
     if rows.extend_plan is not None:
-        o = _ref.run_paged_attention(q.index_select(0, rows.extend_tokens), k_cache, v_cache, rows.extend_plan,
-                                     scale, softcap, k_scale, v_scale)
+        q_ext = q.index_select(0, rows.extend_tokens)
+        o = _ref.run_paged_attention(q_ext, k_cache, v_cache, rows.extend_plan, scale, softcap, k_scale, v_scale)
         out.index_copy_(0, rows.extend_tokens, o)
-    if not return_stats:
-        return out
-    from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
+        if return_stats:
+            from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
 
-    return out, attention_stats_from_plan(q, k_cache, plan, scale, softcap, k_scale, stats_window, out=stats_out)
+            ext = attention_stats_from_plan(q_ext, k_cache, rows.extend_plan, scale, softcap, k_scale, stats_window)
+            stats[rows.extend_rows, :, : ext.shape[2]] = ext
+    return (out, stats) if return_stats else out
 
 
 def paged_attention(

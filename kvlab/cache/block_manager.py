@@ -74,6 +74,7 @@ class PrefixHit:
     tokens: int = 0
     nodes: tuple = ()
     turn: int | None = None
+    recomputed: int = 0  # tier pages after the hit that recomputing beats restoring (cost model: `tier_ready`)
 
 
 class BlockManager:
@@ -172,8 +173,7 @@ class BlockManager:
     def capacity_error(self, seq: Sequence) -> str | None:
         """Why `seq` could never run alone in this pool, or None."""
         a = self.allocator
-        need = sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
-                                    self._footprint(g, seq.max_len))) for g in self.groups)
+        need, rows = self._peak(seq)
         if need <= a.usable_blocks:
             return None
         reserved = a.reservation(seq.num_tokens, seq.max_len)
@@ -189,9 +189,35 @@ class BlockManager:
             fix = "raise kv_cache_memory or lower max_tokens / max_model_len"
         if len(self.groups) > 1:
             what += f", in {len(self.groups)} layer groups"
+        if rows:
+            what += (f"; with the residual rows of its open pages, {rows} x {self.rows.pages_per_row} pages at its "
+                     f"peak, one token a step")
+            fix += " or quant_args.residual"
         reserve = f" ({self.num_blocks - a.usable_blocks} kept in reserve)" if a.usable_blocks < self.num_blocks else ""
         return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
                 f"{a.usable_blocks}{reserve}; {fix}")
+
+    def _tables_at(self, seq: Sequence, length: int) -> int:
+        """Blocks `seq`'s tables take at `length` tokens (at least what the allocator reserves at admission)."""
+        a = self.allocator
+        return sum(a.blocks_for(max(a.reservation(self._footprint(g, seq.num_tokens), seq.max_len),
+                                    self._footprint(g, length))) for g in self.groups)
+
+    def _peak(self, seq: Sequence) -> tuple[int, int]:
+        """(blocks, residual rows) `seq` needs at its peak alone in the pool: its tables at max_len; with leased
+        rows, the most its tables and their rows (RowClaims.lone_rows) take while it computes one token a step,
+        as the scheduler lets a lone sequence whose chunk's rows do not fit (its chunk is halved). That most is
+        reached writing one of the last `block_size` cache indices it writes (`block_size` tokens later, each
+        group holds a page more and no fewer rows); the last is max_len - 2 (its last token is sampled, never
+        written; a scoring request's is not computed)."""
+        if self.rows is None:
+            return self._tables_at(seq, seq.max_len), 0
+        k, last = self.rows.pages_per_row, max(seq.max_len - 2, seq.num_tokens_to_compute - 1, 0)
+        peak = (0, 0)
+        for length in range(max(0, last - self.block_size + 1), last + 1):
+            rows = sum(self.rows.lone_rows(length, group.sliding_window) for group in self.groups)
+            peak = max(peak, (self._tables_at(seq, length + 1) + rows * k, rows))
+        return peak
 
     # -- prefix caching ----------------------------------------------------------
     def _salt(self, seq: Sequence) -> bytes:
@@ -350,14 +376,70 @@ class BlockManager:
 
     def _restore(self, seq: Sequence, nodes: list[Node], hit: int) -> None:
         """Bring a hit's offloaded blocks back into fresh pages of `seq`'s tables (after its resident hit pages
-        are held: taking a page may evict a parked one). They are claimed first, so making room for an evicted
-        page never drops one of them."""
+        are held: taking a page may evict a parked one), all moved together. They are claimed first, so making
+        room for an evicted page never drops one of them."""
         entries = self._offloaded(nodes, hit)
         if not entries:
             return
         self.prefix_cache.claim([(node, g) for g, _, node in entries])
-        for g, i, node in entries:
-            self.prefix_cache.restore(node, g, self.allocator.take_into(self.key(seq, g), i))
+        self.prefix_cache.restore_many([(node, g, self.allocator.take_into(self.key(seq, g), i))
+                                        for g, i, node in entries])
+
+    # -- tiers below the pool: reads ahead, restore or recompute ---------------------
+    @property
+    def places(self):
+        """The tiers' bookkeeping (kvlab.cache.tiers.places.Places), or None without tiers."""
+        pc = self.prefix_cache
+        return None if pc is None else pc.places
+
+    def _tier_plan(self, seq: Sequence, hit: PrefixHit) -> tuple[PrefixHit, list[tuple[int, int, Node]]]:
+        """`hit` as the placement wants it served, and its blocks in tiers: cut back before its first tier block
+        when recomputing the blocks from there is cheaper than restoring them (`Placement.restore_pays`)."""
+        nodes = list(hit.nodes)
+        entries = self._offloaded(nodes, hit.tokens)
+        if not entries:
+            return hit, entries
+        first = min(i for _, i, _ in entries)
+        pages: dict[int, int] = {}
+        for g, _, node in entries:
+            tier = self.places.tier_of[node.offloaded[g]]
+            pages[tier] = pages.get(tier, 0) + 1
+        if self.places.placement.restore_pays(pages, hit.tokens - first * self.block_size):
+            return hit, entries
+        k = first
+        while k and not all(self._has_pages(g, nodes[:k], k * self.block_size) for g in range(len(self.groups))):
+            k -= 1
+        nodes, tokens = nodes[:k], k * self.block_size
+        if self.hit_ends is not None and tokens:
+            nodes, tokens = self._cut_to_kept_stats(nodes, tokens)
+        return PrefixHit(seq.seq_id, tokens, tuple(nodes), recomputed=len(entries)), []
+
+    def tier_ready(self, seq: Sequence, hit: PrefixHit) -> PrefixHit | None:
+        """The hit `seq` is admitted on, once every page it takes from a tier is in memory: reads from a slow tier
+        are started here (on the tier's worker); None while one is still in flight (the request waits, others
+        run). A read that failed (a page file deleted or truncated) forgets its block and `seq` is looked up
+        again: that block is recomputed. Without tiers, `hit` as it is."""
+        if self.places is None or hit.turn is not None:
+            return hit
+        while True:
+            hit, entries = self._tier_plan(seq, hit)
+            if not entries:
+                return hit
+            failed = self.places.stats.failed_reads
+            if self.prefix_cache.fetch([(node, g) for g, _, node in entries]):
+                return hit
+            if self.places.stats.failed_reads == failed:
+                self.places.stats.waits += 1
+                return None
+            hit = self.lookup(seq)
+
+    def prefetch(self, seq: Sequence) -> int:
+        """`seq` was just added: start the reads of the tier pages its prefix hits that the placement wants read
+        before the request is scheduled (a returning conversation); how many."""
+        if self.places is None or self.kept_turns is not None:
+            return 0
+        _, entries = self._tier_plan(seq, self.lookup(seq))
+        return self.prefix_cache.prefetch([(node, g) for g, _, node in entries]) if entries else 0
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV the prefix cache holds (0 without prefix caching)."""
@@ -394,17 +476,19 @@ class BlockManager:
         tokens = self.rows.pages_per_row * self.block_size
         return [(tokens, tokens)] * rows
 
-    def can_allocate(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
-        """Whether `seq`'s first chunk fits, its prefix `hit` (looked up here when not given) shared."""
-        if self.rows is not None:  # its first chunk opens at most a window of pages per group
-            pending = self._claimed_rows + self.rows.window_rows * len(self.groups)
+    def can_allocate(self, seq: Sequence, hit: PrefixHit | None = None, num_new_tokens: int | None = None) -> bool:
+        """Whether `seq`'s first chunk of `num_new_tokens` (None: as many as a step computes) fits, its prefix
+        `hit` (looked up here when not given) shared."""
         if hit is not None and hit.turn is not None:
             return self._can_allocate_turn(seq, hit)
+        hit = hit or (self.lookup(seq) if self.prefix_cache is not None else PrefixHit(seq.seq_id))
+        if self.rows is not None:  # the rows its first chunk opens, in every group
+            pending = self._claimed_rows + len(self.groups) * self._first_rows(seq, hit.tokens, num_new_tokens)
         if self.prefix_cache is None:
             return self.allocator.can_allocate_many(
                 [(self._admission(g, seq), seq.max_len) for g in range(len(self.groups))]
                 + (self._lease_requests(pending) if self.rows is not None else []))
-        hit, nodes = self._checked(seq, hit or self.lookup(seq))
+        hit, nodes = self._checked(seq, hit)
         a, need = self.allocator, 0
         for g, group in enumerate(self.groups):
             cached = [p for p in self._cached_pages(g, nodes, hit) if p != NULL_BLOCK]
@@ -416,6 +500,13 @@ class BlockManager:
         if self.rows is not None:
             need += pending * self.rows.pages_per_row
         return need <= a.num_admissible_blocks
+
+    def _first_rows(self, seq: Sequence, start: int, num_new_tokens: int | None) -> int:
+        """Rows per group a first chunk of `num_new_tokens` after the hit's `start` tokens leases (None: the most
+        any chunk of up to a step's tokens does)."""
+        if num_new_tokens is None:
+            return self.rows.most_first_rows(start, min(seq.num_tokens - start, self.max_chunk))
+        return self.rows.first_rows(start, num_new_tokens)
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Tables for `seq`: the pages of its prefix `hit` (from `lookup`; none when not given), whose
@@ -445,6 +536,8 @@ class BlockManager:
         for g, key in enumerate(self._keys(seq)):  # every cached page first: appending may evict parked ones
             self.allocator.allocate_cached(key, self._cached_pages(g, nodes, hit), hit)
         self._restore(seq, nodes, hit)  # then the pages that were in a tier, into fresh pages
+        if found.recomputed:
+            self.places.stats.recomputed += found.recomputed
         for g, key in enumerate(self._keys(seq)):
             pages = list(self.allocator.block_table(key))
             used += [p for p in pages if p != NULL_BLOCK]

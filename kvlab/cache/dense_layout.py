@@ -2,6 +2,8 @@
 
     k[s], v[s]:  [num_pages + 1, block_size, heads, head_dim]  (the format's storage dtype; heads =
                  num_kv_heads, or 1 where every (layer, KV head) has its own table: per-head budgets)
+    block:       [2, slots, num_pages + 1, block_size, heads, head_dim]: the one allocation k[s] = block[0, s] and
+                 v[s] = block[1, s] are contiguous views of, so a page across every layer is one strided slice
 
 Token slot `p * block_size + o` of layer slot `s` is `k[s][p, o]`. Writes go through
 `kvlab.kernels.ops.store_kv` (with the layer's fixed scales, if any: `KVCache.scales`), page copies
@@ -23,8 +25,9 @@ class DenseLayout(PageLayout):
         """`per_group` layer slots of `num_blocks` pages and the null page."""
         dtype = quant.storage_dtype(compute_dtype)
         shape = (num_blocks + 1, block_size, heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_group)]
+        self.block = torch.zeros((2, per_group, *shape), dtype=dtype, device=device)
+        self.k = list(self.block[0].unbind(0))
+        self.v = list(self.block[1].unbind(0))
 
     def store(self, slot: int, group: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
               scales: Scales) -> None:
@@ -68,3 +71,7 @@ class DenseLayout(PageLayout):
 
     def page_tensors(self) -> list[torch.Tensor]:
         return [*self.k, *self.v]
+
+    def page_block(self) -> torch.Tensor:
+        b = self.block
+        return b.view(2 * b.shape[1], b.shape[2], -1)  # [2 * slots, num_pages + 1, page elements]

@@ -101,6 +101,11 @@ class KVCache:
         side and slot for element-wise formats, each PageStore's parts for packed ones."""
         return self.layout.page_tensors()
 
+    def page_block(self) -> torch.Tensor | None:
+        """The page tensors as one `[num_tensors, num_pages + 1, page_elements]` view, where they share one
+        allocation (element-wise formats); None otherwise (kvlab.cache.kv_layout.PageLayout.page_block)."""
+        return self.layout.page_block()
+
     # -- writes ---------------------------------------------------------------
     def begin_step(self, slot_mappings: list[torch.Tensor], seal_pages: list[set[int]] | None = None) -> None:
         """The step's slot mapping per group and, for a residual window, the pages per group that

@@ -98,6 +98,12 @@ class PageLayout(ABC):
     def page_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by page, `[num_pages + 1, ...]`, of every layer slot, K before V."""
 
+    def page_block(self) -> torch.Tensor | None:
+        """Every page tensor as one view `[num_tensors, num_pages + 1, page_elements]` (in `page_tensors` order),
+        where they share one allocation: a page across every layer is `block[:, page]`, moved as one copy (the
+        tiers below the pool, kvlab.cache.tiers.rows). None where they do not."""
+        return None
+
     def pool_nbytes(self) -> int:
         """Bytes of the page pool tensors (every part of every page, the null page included)."""
         return sum(t.numel() * t.element_size() for t in self.page_tensors())

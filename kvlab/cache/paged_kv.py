@@ -22,9 +22,11 @@ With tiers below the pool (`attach_tiers`; docs/design.md, "Tiers below the pool
 of `kvlab.cache.tiers.places.Places`, which calls it at the moment its bookkeeping decides a move:
 
     demote(page, tier, key)         an evicted prefix-cache page -> a tier (before the page is reused)
-    restore(key, tier, page)        a tier's page -> a fresh pool page a prefix hit took (then it is registered)
+    restore_many([(key, tier, page)])  tiers' pages -> fresh pool pages a prefix hit took (then registered), one
+                                    copy a page (kvlab.cache.tiers.rows)
     spill(key, src, dst)            a tier's victim -> a slower tier
     discard(key, tier)              a tier's copy goes (dropped, or the pool holds the block again)
+    start_read(key, tier) / poll() / wait()   a slow tier's read ahead (into host memory, never into the pool)
 
 Callers (the model runner, the compressor, the speculator) read through the block manager and the
 cache as before; they move KV only through here.
@@ -40,6 +42,7 @@ import torch
 from kvlab.cache.block_manager import BlockManager
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.tiers.places import Places
+from kvlab.cache.tiers.rows import PageRows
 from kvlab.cache.tiers.tier import Tier
 from kvlab.sequence import Sequence
 
@@ -50,6 +53,7 @@ class PagedKV:
         self.cache = cache
         self.tiers: list[Tier] = []
         self.places: Places | None = None
+        self._rows: PageRows | None = None
 
     # -- tiers below the pool ------------------------------------------------------
     def attach_tiers(self, tiers: list[Tier], places: Places) -> None:
@@ -58,13 +62,21 @@ class PagedKV:
         places.mover = self
         self.block_manager.prefix_cache.attach_places(places)
 
+    @property
+    def rows(self) -> PageRows:
+        """A page as one row of bytes (every page-indexed pool tensor's slice at its offset)."""
+        if self._rows is None:
+            self._rows = PageRows(self.cache.page_tensors(), self.cache.page_block())
+        return self._rows
+
     def page_parts(self, page: int) -> list[torch.Tensor]:
         """Views of everything the pool holds for `page`: `t[page]` of every page-indexed tensor, K before V
         (a packed format's codes, scales and zero points: a quantised page moves as what it stores)."""
         return [t[page] for t in self.cache.page_tensors()]
 
     def page_nbytes(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.cache.page_tensors())
+        """Bytes of one page's row in a tier (its parts, each aligned: kvlab.cache.tiers.rows)."""
+        return self.rows.row_bytes
 
     def _timed(self, nbytes: int, started: float) -> None:
         self.places.stats.bytes_moved += nbytes
@@ -75,22 +87,56 @@ class PagedKV:
         if not self.movable(page):
             raise RuntimeError(f"page {page} is open in a residual row: only sealed pages leave the pool")
         started = time.perf_counter()
-        self.tiers[tier].put(key, self.page_parts(page))
-        self._timed(self.page_nbytes(), started)
+        self.tiers[tier].put(key, lambda row: self.rows.gather([page], row))
+        self._timed(self.rows.nbytes, started)
 
     def restore(self, key: Hashable, tier: int, page: int) -> None:
         """Copy `key` from `tiers[tier]` into pool `page`, bit for bit; the tier's copy goes."""
-        started = time.perf_counter()
-        self.tiers[tier].load(key, self.page_parts(page))
-        self._timed(self.page_nbytes(), started)
+        self.restore_many([(key, tier, page)])
+
+    def restore_many(self, items: list[tuple[Hashable, int, int]]) -> dict[int, float]:
+        """Copy each (key, tier, page) from its tier into its pool page, bit for bit (one copy a page where the pool
+        is one allocation); the tiers' copies go. Seconds per tier: the copy, and the file reads a slow
+        tier made for these pages (ahead, on its worker, or now)."""
+        seconds = {}
+        for t in sorted({tier for _, tier, _ in items}):
+            started = time.perf_counter()
+            keys = [key for key, tier, _ in items if tier == t]
+            pages = [page for _, tier, page in items if tier == t]
+            read = self.tiers[t].read_seconds(keys)
+            for key, page in zip(keys, pages):  # one copy a page (a gathered run of rows measured slower)
+                self.tiers[t].load(key, lambda row, page=page: self.rows.scatter(row, [page]))
+            self._timed(self.rows.nbytes * len(keys), started)
+            seconds[t] = time.perf_counter() - started + read + self.tiers[t].read_seconds(keys)
+        return seconds
+
+    def calibrate(self, sizes: tuple[int, ...] = (1, 4)) -> None:
+        """Time restores of runs of `sizes` pages through each tier (the null page, written back as it is: no
+        pool content changes) and tell the placement (`observe_restore`): the cost model's start-up rates."""
+        null = self.cache.page_tensors()[0].shape[0] - 1
+        for t, tier in enumerate(self.tiers):
+            for n in sizes:
+                keys = [("calibrate", i) for i in range(n)]
+                if len(tier) + n > tier.capacity:
+                    continue
+                for key in keys:
+                    tier.put(key, lambda row: self.rows.gather([null], row))
+                started = time.perf_counter()
+                for key in keys:
+                    tier.start_read(key)
+                while not all(tier.ready(key) for key in keys) and tier.in_flight:
+                    tier.wait()
+                    tier.poll()
+                tier.poll()
+                for key in keys:
+                    tier.load(key, lambda row: self.rows.scatter(row, [null]))
+                self.places.placement.observe_restore(t, n, time.perf_counter() - started)
 
     def spill(self, key: Hashable, src: int, dst: int) -> None:
-        """Move `key` from `tiers[src]` to the slower `tiers[dst]` (through a staging copy)."""
+        """Move `key` from `tiers[src]` to the slower `tiers[dst]` (row to row)."""
         started = time.perf_counter()
-        staged = [torch.empty_like(t, device="cpu") for t in self.page_parts(0)]
-        self.tiers[src].load(key, staged)
-        self.tiers[dst].put(key, staged)
-        self._timed(self.page_nbytes(), started)
+        self.tiers[src].load(key, lambda row: self.tiers[dst].put(key, lambda out: out.copy_(row)))
+        self._timed(self.rows.nbytes, started)
 
     def movable(self, page: int) -> bool:
         """Does the pool hold all of `page` in its parts (not open in a residual row, which stays behind)?"""
@@ -99,11 +145,27 @@ class PagedKV:
     def discard(self, key: Hashable, tier: int) -> None:
         self.tiers[tier].drop(key)
 
-    def readable(self, key: Hashable, tier: int) -> bool:
-        return self.tiers[tier].readable(key)
-
     def tier_len(self, tier: int) -> int:
         return len(self.tiers[tier])
+
+    def ready(self, key: Hashable, tier: int) -> bool:
+        return self.tiers[tier].ready(key)
+
+    def start_read(self, key: Hashable, tier: int) -> None:
+        self.tiers[tier].start_read(key)
+
+    def poll(self) -> list[tuple[Hashable, str | None]]:
+        return [done for tier in self.tiers for done in tier.poll()]
+
+    def wait(self) -> None:
+        """Block until a read in flight in some tier finishes."""
+        for tier in self.tiers:
+            if tier.in_flight:
+                tier.wait()
+                return
+
+    def in_flight(self) -> int:
+        return sum(tier.in_flight for tier in self.tiers)
 
     def close_tiers(self) -> None:
         """Drain the tiers (every offloaded page dropped, the prefix cache forgets them) and close them."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import warnings
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable
@@ -242,17 +241,9 @@ class PrefixCache:
         return True
 
     def holds(self, node: Node, group: int) -> bool:
-        """Does the cache hold `node`'s block in `group`, in the pool or readable in a tier?"""
-        if group in node.pages:
-            return True
-        if group not in node.offloaded:
-            return False
-        if self.places.readable(node.offloaded[group]):
-            return True
-        warnings.warn(f"a tier could not read back a cached page (block of {len(node.tokens)} tokens, group {group}): "
-                      f"it is recomputed", RuntimeWarning, stacklevel=2)
-        self._lost(node.offloaded[group])
-        return False
+        """Does the cache hold `node`'s block in `group`, in the pool or in a tier (a page whose file was lost is
+        found out when it is read: `fetch`)?"""
+        return group in node.pages or group in node.offloaded
 
     def claim(self, entries: list[tuple[Node, int]]) -> None:
         """Offloaded (node, group) entries a request was admitted on: kept until `restore`."""
@@ -260,10 +251,26 @@ class PrefixCache:
 
     def restore(self, node: Node, group: int, page: int) -> None:
         """`node`'s block in `group` comes back from its tier into fresh pool `page`, registered again."""
-        key = node.offloaded.pop(group)
-        del self.offloaded_nodes[key]
-        self.places.restore(key, page)
-        self._register(node, [page if g == group else -1 for g in range(group + 1)])
+        self.restore_many([(node, group, page)])
+
+    def restore_many(self, entries: list[tuple[Node, int, int]]) -> None:
+        """Each (node, group, page): the block comes back from its tier into fresh pool `page` (moved together),
+        registered again."""
+        keys = [node.offloaded.pop(group) for node, group, _ in entries]
+        for key in keys:
+            del self.offloaded_nodes[key]
+        self.places.restore_many([(key, page) for key, (_, _, page) in zip(keys, entries)])
+        for node, group, page in entries:
+            self._register(node, [page if g == group else -1 for g in range(group + 1)])
+
+    def fetch(self, entries: list[tuple[Node, int]]) -> bool:
+        """Start the reads the offloaded (node, group) `entries` need; True once all are in memory. A read that
+        failed drops its entry (`_lost`): the caller looks the request up again."""
+        return self.places.fetch([node.offloaded[g] for node, g in entries])
+
+    def prefetch(self, entries: list[tuple[Node, int]]) -> int:
+        """A request was added whose prefix hits these offloaded entries: the reads the placement starts now."""
+        return self.places.prefetch([node.offloaded[g] for node, g in entries])
 
     def _lost(self, key) -> None:
         """Tier key `key` is no longer held anywhere (dropped from the last tier, or unreadable)."""

@@ -11,7 +11,9 @@ What varies with a pass's shape on the CPU path, and what this mode does about i
   and a 1-row product (a matrix-vector kernel) differs from a 16-row one in the last bits. Here every
   `torch.nn.functional.linear` inside the forward runs in fixed tiles of `TILE` rows (the last zero-padded),
   so a row always meets the same kernel; which rows share its tile does not change its result (tested in
-  tests/engine/test_batch_invariant.py on this machine's BLAS);
+  tests/engine/test_batch_invariant.py on this machine's BLAS). With `linear_backend='cpu'` the linear layers run
+  kvlab's CPU kernel for every pass instead (batch-invariant by construction, kvlab/engine/linear_backend.py),
+  which calls no F.linear and needs no tiles;
 - attention: each query row alone over its own visible keys (kvlab.kernels.reference.row_attention), with a
   quantised format's residual window read in token time;
 - norms, activations, RoPE and residual adds are row-wise already (a norm's reduction runs over one row).

@@ -26,7 +26,7 @@ from kvlab.cache.tiers.places import Places
 from kvlab.cache.quant.lease import lessor_for, row_claims
 from kvlab.engine import attention
 from kvlab.engine.capabilities import Capabilities, capabilities, check
-from kvlab.engine.linear_layout import apply_linear_layout
+from kvlab.engine.linear_backend import MAX_ROWS, apply_linear
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.kernels import ops
@@ -74,7 +74,7 @@ class PrivatePool:
                 bm.append(seq, n)
                 return True
             return False
-        if bm.can_allocate(seq):
+        if bm.can_allocate(seq, None, n):
             bm.allocate(seq, n)
             return True
         return False
@@ -224,7 +224,9 @@ def load(config, loaded: LoadedModel | None) -> LoadedModel:
     else:
         loaded.model.set_attn_implementation(impl)
     loaded.model.to(config.device)
-    apply_linear_layout(loaded.model, config.linear_layout)  # after .to(): the fused weights are the storage
+    # after .to(): the fused weights are the storage; under the batch-invariant mode the kernel takes every pass
+    apply_linear(loaded.model, config.linear_layout, config.linear_backend,
+                 None if config.batch_invariant else MAX_ROWS)
     return loaded
 
 
@@ -305,6 +307,7 @@ def attach_tiers(config, kv: PagedKV) -> None:
     places = Places([t.kind for t in tiers], [t.capacity for t in tiers],
                     PLACEMENTS.build(config.offload_placement, **config.offload_placement_args), nbytes, config.block_size)
     kv.attach_tiers(tiers, places)
+    kv.calibrate()  # the cost model's start-up restore rates (kvlab.cache.tiers.placement.cost_aware)
 
 
 def compression_chunk(config) -> int:

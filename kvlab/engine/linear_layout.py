@@ -43,6 +43,7 @@ class FusedProduct:
         biases = [m.bias for m in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else self.weight.new_zeros(n) for b, n in zip(biases, self.sizes)])
+        self.matmul = F.linear  # F.linear's signature (kvlab/engine/linear_backend.py may put a kernel here)
         self._x: torch.Tensor | None = None  # the input of the product held in _parts
         self._parts: list[torch.Tensor] = []
         self._unread: set[int] = set()
@@ -50,7 +51,7 @@ class FusedProduct:
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """x [..., K] -> [..., N_i]: the product is computed once per input and each part handed out once."""
         if x is not self._x or i not in self._unread:
-            out = F.linear(x, self.weight, self.bias)  # [..., sum N]
+            out = self.matmul(x, self.weight, self.bias)  # [..., sum N]
             self._x, self._parts, self._unread = x, list(out.split(self.sizes, dim=-1)), set(range(len(self.sizes)))
         self._unread.discard(i)
         y = self._parts[i]

@@ -150,6 +150,8 @@ class LLMEngine:
             self._return_dists.add(seq.seq_id)
         self.metrics.begin()
         self.scheduler.add(seq)
+        if self.kv.places is not None:  # a returning conversation's pages on disk start coming back now
+            self.block_manager.prefetch(seq)
         return seq.seq_id
 
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None,
@@ -237,8 +239,11 @@ class LLMEngine:
         asked = [max(a, b) for a, b in zip(rows or [0] * len(batch.seqs), drows)] if drows else rows
         spawned: list[tuple[Sequence, SamplingParams, list[Sequence]]] = []
         try:
+            t_run = time.perf_counter()
             out = self.runner.run(batch, asked if asked and any(asked) else None,
                                   stats=bool(self.compressor) and self.policy.needs_attention_stats)
+            if self.kv.places is not None:  # the cost model's recompute rate (kvlab.cache.tiers.placement)
+                self.kv.places.observe_compute(batch.num_tokens, time.perf_counter() - t_run)
             spawned = self._spawn_samples(out)
             tokens = self._sample(out)
             verified, rejected = self.speculator.verify(out, self._generators) if self.speculator else ([], None)
@@ -281,6 +286,9 @@ class LLMEngine:
         scheduling raises (the scheduler then put back what it had scheduled), the streams are put back."""
         try:
             batch = self.scheduler.schedule()
+            while not batch.seqs and self.kv.places is not None and self.kv.places.in_flight():
+                self.kv.places.wait()  # only requests waiting on tier reads: block until one arrives
+                batch = self.scheduler.schedule()
         except BaseException:
             self._restore_streams(streams)
             self.lifecycle.emit("dropped", self.scheduler.waiting)
@@ -509,13 +517,16 @@ class LLMEngine:
 
     def tier_stats(self) -> dict:
         """The tiers below the pool: pages held per tier, demoted, restored (hits per tier), spilled, dropped,
-        failed reads, bytes moved and the time spent moving them."""
+        failed reads, reads started ahead (prefetched at add / fetched at scheduling), waits on reads, pages
+        recomputed rather than restored, bytes moved, the time spent moving them and its rate."""
         places = self.kv.places
         st = places.stats
         out = dict(tier_pages_held=len(places), tier_demoted=st.demoted, tier_restored=st.restored,
                    tier_spilled=st.spilled, tier_dropped=st.dropped, tier_refused=st.refused,
                    tier_failed_reads=st.failed_reads, tier_bytes_moved=st.bytes_moved,
-                   tier_move_seconds=st.move_seconds)
+                   tier_move_seconds=st.move_seconds, tier_prefetched=st.prefetched, tier_fetched=st.fetched,
+                   tier_waits=st.waits, tier_recomputed=st.recomputed,
+                   tier_move_mb_per_s=st.bytes_moved / 2**20 / st.move_seconds if st.move_seconds else 0.0)
         for t, kind in enumerate(places.kinds):
             out[f"tier_{kind}_pages_held"] = places.held[t]
             out[f"tier_{kind}_hits"] = st.hits.get(kind, 0)

@@ -8,6 +8,11 @@ cannot grow a running sequence, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue to be
 recomputed later, so no request is lost or corrupted.
 
+With tiers below the pool, a waiting sequence whose prefix hit needs pages still being read from a slow tier
+(kvlab.cache.tiers: a disk read on the tier's worker thread) is passed over, as if those pages were not
+allocated yet: the sequences behind it may be admitted, and it is looked at again next step. No step ever
+reads a page that has not arrived.
+
 `max_prefill_chunk` caps the tokens one sequence computes in a step while it has more than one
 to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy
 that compresses after every chunk, a prompt never holds more than its compressed past plus one
@@ -81,25 +86,30 @@ class Scheduler:
             if n > seq.num_uncomputed_tokens and not self.block_manager.can_append(seq, n):
                 n = seq.num_uncomputed_tokens  # no room for tentative draft slots: decode plainly, preempt no one
             seq.keep_draft_tokens(n)  # draft tokens count against the token budget
-            if not self._make_room(seq, n, batch):
+            n = self._make_room(seq, n, batch)
+            if not n:
                 continue  # seq itself was preempted; running[i] is now the next one
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             self.block_manager.append(seq, n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        w = 0  # the first waiting sequence not passed over
+        while w < len(self.waiting) and budget > 0 and not batch.num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
             hit = self.block_manager.lookup(seq)  # a prefix-cache hit (none without prefix caching)
             if hit.turn is not None and not self.block_manager.can_allocate(seq, hit):
                 hit = PrefixHit(seq.seq_id)  # a kept compressed turn that does not fit: compute it all (its
                 # pages count as free, the pool drops kept turns for room), rather than wait on the turn
-            if not self.block_manager.can_allocate(seq, hit):
+            hit = self.block_manager.tier_ready(seq, hit)  # tiers below the pool: its pages read into memory
+            if hit is None:  # a page of its hit is still being read: it waits (as for a page not yet
+                w += 1  # allocated), the sequences behind it may run
+                continue
+            n = self._first_chunk(seq, hit, budget)
+            if not n:
                 break
-            seq.num_computed_tokens = hit.tokens
-            n = self._chunk(seq, budget)
             self.block_manager.allocate(seq, n, hit)
-            self.waiting.popleft()
+            del self.waiting[w]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -121,16 +131,34 @@ class Scheduler:
             n = min(n, point - seq.num_computed_tokens)
         return n
 
-    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Preempt from the back of `running` until `seq` can grow by `n`; False if `seq` went itself."""
+    def _first_chunk(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
+        """Tokens waiting `seq` computes in its first chunk if the pool admits it now, its computed tokens set
+        to the hit's; 0 if it waits. Into an empty pool a chunk whose residual rows do not fit is halved until
+        they do (kvlab.cache.quant.lease: what the rows of a chunk take depends on its length)."""
+        before, seq.num_computed_tokens = seq.num_computed_tokens, hit.tokens
+        n = self._chunk(seq, budget)
+        while not self.block_manager.can_allocate(seq, hit, n):
+            if self.running or n <= 1:
+                seq.num_computed_tokens = before
+                return 0
+            n //= 2
+        return n
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> int:
+        """Preempt from the back of `running` until `seq` can grow by `n`, or, once it runs alone, halve `n` (a
+        chunk's residual rows may not fit where its tokens one at a time do: the block manager's capacity_error
+        counts those); the tokens it computes, 0 if `seq` went itself."""
         while not self.block_manager.can_append(seq, n):
+            if n > 1 and len(self.running) == 1 and self.running[0] is seq:
+                n //= 2
+                continue
             victim = self.running[-1]
             self.preempt(victim)
             batch.num_preempted += 1
             batch.preempted.append(victim)
             if victim is seq:
-                return False
-        return True
+                return 0
+        return n
 
     def defer(self, seq: Sequence) -> None:
         """A sample whose tables could not be forked now: it waits first in line and computes its tokens

@@ -49,9 +49,11 @@ def draft_pass(engine) -> Callable[[int, float], float]:
     name = getattr(type(draft), "registry_name", None)
     if draft is None or name in ("ngram",):
         return lambda batch, context: 0.0
-    if name == "self_compressed":
-        target, layers, view = target_traffic(engine), draft.layers, draft._view
-        return lambda batch, context: target.pass_bytes(batch, context, layers, view.tokens(int(context)))
+    if name == "self_compressed":  # a copied view is read in its own format (int4 codes: QuantSpec)
+        copy = getattr(draft, "_copy", None)
+        read = model_traffic(engine.model, copy.cache) if copy is not None else target_traffic(engine)
+        layers, view = draft.layers, draft._view
+        return lambda batch, context: read.pass_bytes(batch, context, layers, view.tokens(int(context)))
     pool = getattr(draft, "_pool", None)
     if pool is None:
         raise ValueError(f"engine_traffic: no traffic model for draft {name!r} (it has no model on a pool of its own)")

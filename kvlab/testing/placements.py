@@ -39,8 +39,10 @@ class FakeMover:
         assert key not in self.tiers[tier], f"key {key} demoted into tier {tier}, which holds it already"
         self.tiers[tier][key] = self.pool[page]
 
-    def restore(self, key, tier, page):
-        self.pool[page] = self.tiers[tier].pop(key)
+    def restore_many(self, items):
+        for key, tier, page in items:
+            self.pool[page] = self.tiers[tier].pop(key)
+        return {tier: 0.0 for _, tier, _ in items}
 
     def spill(self, key, src, dst):
         assert dst != src and key not in self.tiers[dst], f"key {key} spilled from tier {src} into {dst} twice"
@@ -49,11 +51,20 @@ class FakeMover:
     def discard(self, key, tier):
         self.tiers[tier].pop(key)
 
-    def readable(self, key, tier):
-        return key in self.tiers[tier]
-
     def tier_len(self, tier):
         return len(self.tiers[tier])
+
+    def ready(self, key, tier):
+        return True
+
+    def start_read(self, key, tier):
+        raise AssertionError(f"key {key} is in memory: nothing to read")
+
+    def poll(self):
+        return []
+
+    def wait(self):
+        pass
 
 
 def check_bookkeeping(name: str, args: dict | None = None, steps: int = 3000, seed: int = 0,

@@ -465,3 +465,16 @@ def test_setup_rejects_an_empty_pool():
         make("paged", 0, 4)
     with pytest.raises(ValueError, match="block_size"):
         make("contiguous", 4, 0)
+
+
+def test_paged_release_blocks_checks_every_index_before_releasing_any():
+    """An index past the table is refused before any page goes (the policy's eviction either happens or not)."""
+    a = ALLOCATORS.build("paged")
+    a.setup(8, 4)
+    a.allocate(0, 12, 12)
+    table, free = list(a.block_table(0)), a.num_free_blocks
+    with pytest.raises(ValueError, match="has no block 5"):
+        a.release_blocks(0, [0, 5])
+    assert a.block_table(0) == table and a.num_free_blocks == free
+    assert a.release_blocks(0, [2, 0, 2]) == 2 and a.block_table(0) == [NULL_BLOCK, table[1], NULL_BLOCK]
+    assert a.release_before(0, 8) == 1 and a.block_table(0) == [NULL_BLOCK] * 3 and a.num_free_blocks == free + 3

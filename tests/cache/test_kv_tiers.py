@@ -131,13 +131,19 @@ def test_a_restored_page_is_bit_identical(offload, quant):
     llm = LLM("random:llama-tiny", offload=offload, quant=quant, **ENGINE)
     kv, g = llm.engine.kv, torch.Generator().manual_seed(0)
     for t in kv.cache.page_tensors():  # random bits in pages 3 and 5
-        for p in (3, 5):
+        for p in (3, 5, 6, 7):
             t[p] = torch.randint(0, 255, t[p].shape, generator=g).to(t.dtype) if not t.is_floating_point() \
                 else torch.randn(t[p].shape, generator=g).to(t.dtype)
     before = [t[3].clone() for t in kv.cache.page_tensors()]
     kv.demote(3, 0, "a")
     kv.restore("a", 0, 5)
     assert all(torch.equal(t[5], b) for t, b in zip(kv.cache.page_tensors(), before))
+    assert len(kv.tiers[0]) == 0
+    pages = [t[[6, 3]].clone() for t in kv.cache.page_tensors()]  # a run of two pages moves as one copy per tensor
+    kv.demote(3, 0, "a")
+    kv.demote(6, 0, "b")
+    kv.restore_many([("b", 0, 5), ("a", 0, 7)])
+    assert all(torch.equal(t[[5, 7]], b) for t, b in zip(kv.cache.page_tensors(), pages))
     assert len(kv.tiers[0]) == 0
     llm.close()
 

@@ -3,11 +3,15 @@ buys pages, a sequence's open pages borrow free pages' codes for their full-prec
 back when sealed or freed, so few running sequences hold what the format's bits promise; outputs are
 those of rows in an area of their own. Tiny random Llama (2 layers, 2 KV heads of 16)."""
 
+import functools
+
 import pytest
 import torch
 
 import kvlab.engine.build
 from kvlab import LLM, SamplingParams
+from kvlab.cache.block_manager import BlockManager
+from kvlab.models import load_model
 
 MODEL = "random:llama-tiny"
 KIVI = {"int4": {"group_size": 8, "residual": 16}, "int2": {"group_size": 8, "residual": 16}}
@@ -117,3 +121,77 @@ def test_a_page_a_pending_copy_reads_is_held_and_its_copy_takes_its_row_over():
     assert lessor.held()(page)  # a pending copy still reads it
     a.take_copies()
     assert not lessor.held()(page)
+
+
+# -- tiny pools: every request that fits runs, one that can never fit is refused before it is queued --------------
+TINY = {"block_size": 4, "max_num_batched_tokens": 32, "quant": "int4"}  # int4's defaults: residual 32, rows of 8 pages
+# prompt tokens (6 new each) -> pages + 8 x rows at the peak, one token a step (BlockManager._peak)
+TINY_NEEDS = {1: 18, 8: 36, 28: 81, 40: 84}
+
+
+@functools.cache
+def tiny_model():
+    return load_model(MODEL)
+
+
+@functools.cache
+def tiny_page_bytes() -> int:
+    return LLM(MODEL, loaded=tiny_model(), kv_cache_memory="1MiB", **TINY).engine.bytes_per_block
+
+
+def tiny_pool(pages: int) -> LLM:
+    llm = LLM(MODEL, loaded=tiny_model(), kv_cache_memory=int(pages * tiny_page_bytes()), **TINY)
+    assert llm.engine.block_manager.num_blocks == pages
+    return llm
+
+
+def runs_alone(pages: int, ids: list[int], params: SamplingParams, monkeypatch) -> bool:
+    """Whether the request finishes alone in the pool with the capacity check off (False: the scheduler could not
+    schedule it, or it preempted itself: the pool cannot hold it even one token a step)."""
+    with monkeypatch.context() as m:
+        m.setattr(BlockManager, "capacity_error", lambda self, seq: None)
+        engine = tiny_pool(pages).engine
+        engine.add_request(ids, params)
+    for _ in range(200):
+        try:
+            engine.step()
+        except RuntimeError as exc:
+            assert "cannot be scheduled in an empty pool" in str(exc)
+            return False
+        if engine.stats().get("preemptions", 0):
+            return False
+        if not engine.has_unfinished():
+            assert engine.cache.area.early_seals == 0
+            return True
+    raise AssertionError("the request neither finished nor got stuck")
+
+
+def test_tiny_pools_run_every_request_that_fits_and_refuse_the_others_at_once(monkeypatch):
+    """int4 in a few pages of 4 tokens under a 32-token step budget (a residual row costs 8 pages, a 32-token window
+    keeps up to 9 rows open): a request is refused at add_request exactly when, alone, its pages and open rows do not
+    fit one token a step (the shortest one each pool refuses is run with the check off: it gets stuck; 81 pages hold
+    the 28-token prompt's 9 pages and 9 rows, 80 do not); the others run together with the tokens of an ample pool and
+    no page sealed early; alone, the 40-token prompt's second chunk (its 8 open rows stay leased through the step) is
+    halved until it fits its 84 pages. Before, every admission was charged a window of rows (72 pages) and
+    capacity_error none: requests that fit could never be scheduled ('cannot be scheduled in an empty pool')."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {n: prompt(n, 60 + n) for n in TINY_NEEDS}
+    want = dict(zip(prompts, (o.token_ids for o in tiny_pool(4096).generate(list(prompts.values()), params))))
+    for pages in (8, 20, 80, 81, 84):
+        llm = tiny_pool(pages)
+        fits = []
+        for n, ids in prompts.items():
+            try:
+                llm.engine.make_sequence(ids, params)
+                fits.append(n)
+            except ValueError as exc:
+                assert "the KV pool has only" in str(exc) and "residual rows" in str(exc), exc
+        assert fits == [n for n, need in TINY_NEEDS.items() if need <= pages], pages
+        out = llm.generate([prompts[n] for n in fits], params) if fits else []
+        assert [o.token_ids for o in out] == [want[n] for n in fits], pages
+        area = llm.engine.cache.area
+        assert area.early_seals == 0 and area.num_leased == 0 and llm.engine.block_manager.num_used_blocks() == 0
+        refused = [n for n in prompts if n not in fits]
+        if refused:  # the shortest one refused cannot run either
+            assert not runs_alone(pages, prompts[refused[0]], params, monkeypatch), (pages, refused[0])
+    assert runs_alone(84, prompts[40], params, monkeypatch)

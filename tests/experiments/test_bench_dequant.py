@@ -16,7 +16,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 def test_every_format_gets_a_decode_step_time_relative_to_fp32(tmp_path):
     from bench_dequant import main
-    from bench_throughput import fmt
+
+    from kvlab.study.bench_io import fmt
 
     out = tmp_path / "dq"
     main(["--model", "random:llama-tiny", "--context", "32", "--batch", "2", "--steps", "2", "--repeats", "1",

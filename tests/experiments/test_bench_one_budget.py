@@ -5,7 +5,6 @@ options of each, and the words it gives a combination's gain against the product
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_one_budget
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_one_budget", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_one_budget", SCRIPT)  # its helpers: kvlab.study.bench_io
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_configurations_are_full_singles_pairs_and_all_four(bench):

@@ -16,7 +16,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 def test_cells_then_the_aggregate_table(tmp_path, one_thread):
     from bench_self_speculation_regime import main
-    from bench_throughput import fmt
+
+    from kvlab.study.bench_io import fmt
 
     out = str(tmp_path / "regime")
     common = ["--model", "random:llama-tiny", "--max-tokens", "8", "--repeats", "1", "--budget", "32", "--out", out]

@@ -17,14 +17,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_shared_poo
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its helpers from bench_throughput
-    try:
-        spec = importlib.util.spec_from_file_location("bench_shared_pool", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_shared_pool", SCRIPT)  # its helpers: kvlab.study.bench_io
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_shared_pool_admits_more_than_a_per_group_split(bench):

@@ -3,10 +3,9 @@
 Pairwise grid: head ratios 1/2/3/4, head_dim 64/128, block sizes 1/4/16/32, every element-wise pool dtype
 (fp32, bf16, fp16, fp8 with per-head scales), sliding window, soft-capping, lengths 1, block boundary +-1 and
 past the kernel's key chunk (its split-K path); packed int8 / int4 / int2 / fp8-per-token pages with residual
-rows of their own and leased ones; mixed decode + extend steps; the dispatch and the fallback; the engine.
+rows of their own and leased ones; mixed decode + extend steps; the dispatch; the engine. Needs a C++ compiler
+(skipped without one); the fallback where there is none: tests/kernels/test_cpu_kernel_fallback.py.
 """
-
-import warnings
 
 import pytest
 import torch
@@ -75,6 +74,54 @@ def test_mixed_step_runs_decode_rows_in_the_kernel_and_extend_rows_on_the_refere
     assert calls == [bs + 1 + 3]  # the reference saw the extend rows' tokens only
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("cache,window,softcap,stats_window", [("fp32", None, None, None), ("bf16", 7, 10.0, 1),
+                                                                 ("fp16", None, None, 0), ("fp8_e4m3", 300, None, 2)])
+def test_attention_statistics_of_decode_rows_come_from_the_kernel(cache, window, softcap, stats_window, monkeypatch):
+    """The mass every key received (summed over a KV head's query heads): the kernel's, never the reference's."""
+    lens = [1, 17, cpu.CHUNK_KEYS * 2 + 3, 40]
+    batch = make_paged_batch([1] * len(lens), lens, 2, 3, 64, 16, CACHE_DTYPES[cache], sliding_window=window)
+    batch.block_tables[3, 1] = -1  # a released page
+    args = (*batch.args(), window, softcap, batch.k_scale, batch.v_scale)
+    want = paged_attention_ref(*args, return_stats=True, stats_window=stats_window)
+    from kvlab.kernels.reference import attention_stats
+
+    monkeypatch.setattr(attention_stats, "attention_stats_from_plan", None)  # the reference's would fail
+    stats_out = torch.full((len(lens), 2, max(lens)), float("nan"))
+    got = cpu.paged_attention(*args, return_stats=True, stats_window=stats_window, stats_out=stats_out)
+    assert got[1] is stats_out
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
+    assert (stats_out.sum(-1) > 0.5).all() == (stats_window != 0)
+
+
+@pytest.mark.parametrize("starts", [False, True], ids=["tree", "tree-starts"])
+def test_tree_steps_run_unmasked_decode_rows_in_the_kernel(starts, monkeypatch):
+    """A token-tree step: its decode rows run the kernel (bit-identical to the same rows in a step without a tree)
+    unless the mask hides one of their keys; tree rows and masked decode rows run the reference with their mask rows."""
+    bs = 4
+    q_lens, seq_lens = [1, 5, 1, 3, 1], [2 * bs + 1, 3 * bs + 2, cpu.CHUNK_KEYS + 7, bs + 3, 3]
+    batch = make_paged_batch(q_lens, seq_lens, 2, 3, 64, bs, tree=True, tree_starts=starts, seed=3)
+    cu, tables, mask = batch.cu_seqlens_q.tolist(), batch.block_tables, batch.tree_mask
+    masked = []
+    if starts:  # decode rows 0 and 4 see every key from their tree start; row 2 does not see its first one
+        for b in (0, 4):
+            mask[cu[b], : seq_lens[b] - batch.tree_starts[b]] = True
+        mask[cu[2], 0], masked = False, [2]
+    plan = plan_paged_attention(cu, seq_lens, tables, bs, tree_mask=mask, tree_starts=batch.tree_starts)
+    want = ref_module.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+    calls = []
+    reference = ref_module.run_paged_attention
+    monkeypatch.setattr(ref_module, "run_paged_attention", lambda q, *a, **k: calls.append(q.shape[0]) or
+                        reference(q, *a, **k))
+    got = cpu.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+    assert calls == [5 + 3 + len(masked)]  # the reference saw the tree rows and the masked decode row only
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+    alone = cpu.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan_paged_attention(cu, seq_lens, tables,
+                                                                                                 bs), batch.scale)
+    for b in {0, 2, 4} - set(masked):
+        assert torch.equal(got[cu[b]], alone[cu[b]]), b
 
 
 @pytest.mark.parametrize("cache,softcap", [("fp32", None), ("bf16", None), ("fp32", 10.0)])
@@ -199,23 +246,6 @@ def test_the_kernel_keeps_no_pool_alive():
     assert [p() for p in pools] == [None, None], "the kernel's launcher keeps a pool alive"
 
 
-def test_no_compiler_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
-    monkeypatch.setattr(build, "compiler", lambda: None)
-    monkeypatch.setattr(cpu, "_kernel", cpu._kernel.__wrapped__)
-    build.load_library.cache_clear()
-    try:
-        batch = make_paged_batch([1], [9], 2, 1, 64, 4)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            got = build.load_library()
-            assert got is None
-            got = cpu.paged_attention(*batch.args())
-        assert len([w for w in seen if "no C++ compiler" in str(w.message)]) == 1
-        torch.testing.assert_close(got, paged_attention_ref(*batch.args()))
-    finally:
-        build.load_library.cache_clear()
-
-
 def test_library_is_keyed_by_its_source(monkeypatch, tmp_path):
     """An edited source builds (and loads) a library of its own in the cache folder."""
     monkeypatch.setenv("KVLAB_CPU_KERNEL_CACHE", str(tmp_path))
@@ -267,9 +297,10 @@ def test_a_build_without_avx512_or_f16c_matches_the_reference(monkeypatch, tmp_p
             seq_lens = decode_lengths(bs)
             batch = make_paged_batch([1] * len(seq_lens), seq_lens, 2, g, d, bs, CACHE_DTYPES[cache],
                                      sliding_window=window)
-            got = cpu.paged_attention(*batch.args(), window, softcap)
-            want = paged_attention_ref(*batch.args(), window, softcap)
-            torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+            got = cpu.paged_attention(*batch.args(), window, softcap, return_stats=True)  # output and statistics
+            want = paged_attention_ref(*batch.args(), window, softcap, return_stats=True)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
         cache, tables, lens = filled_cache("int4", {"residual": BS})
         q, cu = torch.randn(3, 4, D), torch.tensor([0, 1, 2, 3])
         torch.testing.assert_close(cpu.paged_attention(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125),

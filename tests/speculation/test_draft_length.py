@@ -107,3 +107,62 @@ def test_heuristic_lengths_grow_faster_than_step_lengths():
         assert got == plain(batch, 24, ignore_eos=True) and stats["spec_acceptance_rate"] == 1.0
         per[rule] = stats["spec_drafted_tokens"] / stats["spec_verifications"]
     assert per["heuristic"] > per["step"]
+
+
+# -- sampled: adaptive lengths and confidence stops keep the target's distribution ------------------------
+# 1,000 seeded sampled requests (temperature 1, top-k 4), 8 tokens each, with a one-layer draft (an early exit, or
+# the target's first layer reading an 8-token SnapKV view of its own cache): the 2nd to 8th output tokens are
+# distributed as plain sampling's (two-sample chi-square at 99.9%) while the chain lengths move (a length rule) or
+# chains stop early (a confidence threshold). The drafts are close enough to the target that rejections are
+# neither rare nor near-certain, so the residual distribution carries weight.
+SAMPLED_N, SAMPLED_TOKENS = 1000, 8
+SAMPLED_PROMPT = [5, 6, 7, 8, 9] * 4 + [1, 2]
+SAMPLED_ENGINE = dict(block_size=4, kv_cache_memory="64MiB", max_num_seqs=SAMPLED_N,
+                      max_num_batched_tokens=SAMPLED_N * 16)
+SAMPLED_DRAFTS = {
+    "layerskip": {"layers": 1},
+    "self_compressed": {"policy": "snapkv", "policy_args": {"budget": 8, "window_size": 4}, "refresh": 8,
+                        "layers": 1, "max_batch": 256},
+}
+SAMPLED_LENGTHS = {  # how the chain length moves
+    "step": {"num_tokens": 1, "adaptive": True, "max_num_tokens": 4, "length_rule": "step"},
+    "heuristic": {"num_tokens": 1, "adaptive": True, "max_num_tokens": 5, "length_rule": "heuristic"},
+    "threshold": {"num_tokens": 4, "confidence_threshold": 0.006},  # about the median top probability here
+}
+
+
+def sampled_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=1.0, top_k=4, seed=i, ignore_eos=True)
+            for i in range(SAMPLED_N)]
+
+
+_PLAIN_SAMPLED: list = []
+
+
+def plain_sampled() -> list[list[int]]:
+    if not _PLAIN_SAMPLED:
+        llm = LLM(MODEL, **SAMPLED_ENGINE)
+        _PLAIN_SAMPLED.extend(o.token_ids for o in llm.generate([SAMPLED_PROMPT] * SAMPLED_N, sampled_params()))
+    return _PLAIN_SAMPLED
+
+
+@pytest.mark.heavy  # 5-30 s each on two busy cores
+@pytest.mark.parametrize("length", sorted(SAMPLED_LENGTHS))
+@pytest.mark.parametrize("draft", sorted(SAMPLED_DRAFTS))
+def test_sampled_outputs_keep_the_plain_distribution_under_adaptive_lengths(draft, length):
+    from helpers import chi2_critical, two_sample_chi_square
+
+    args = {**SAMPLED_DRAFTS[draft], **SAMPLED_LENGTHS[length]}
+    llm = LLM(MODEL, draft=draft, draft_args=args, **SAMPLED_ENGINE)
+    spec = [o.token_ids for o in llm.generate([SAMPLED_PROMPT] * SAMPLED_N, sampled_params())]
+    stats, plain_out = llm.stats(), plain_sampled()
+    assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats["spec_acceptance_rate"]  # rejections carry weight
+    per = stats["spec_drafted_tokens"] / stats["spec_verifications"]
+    if length == "threshold":  # chains stop early: shorter than the 4 asked for, longer than one token
+        assert 1.2 < per < 3.0, per
+    else:  # lengths move from the starting 1
+        assert per > 1.1, per
+    assert [o[0] for o in spec] == [o[0] for o in plain_out]  # the prefill's token: the same stream
+    for index in range(1, SAMPLED_TOKENS):
+        stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec])
+        assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"

@@ -1,6 +1,7 @@
 """The `self_compressed` draft's copied views (kvlab/speculation/drafts/view_copy.py): a token-granular view
 (token_view.py: SnapKV, H2O, ... over the target's own keys and queries), a quantised view (QuantSpec: the copy
-through a format's encode / decode) and any view over a packed target (int8 / int4). The draft never changes
+stored in a format's pages, int4's codes and scales with its open pages in rows) and any view over a packed
+target (int8 / int4). The draft never changes
 output: greedy equals plain decoding for each view kind over fp32, fp8 and int4 targets, batched and chunked,
 under preemption; sampled outputs keep their distribution; the copy is refreshed by position, taken from the
 byte budget, and the target's pool is never written.
@@ -16,7 +17,7 @@ import torch
 from kvlab import LLM, SamplingParams
 from kvlab.registry import DRAFTS, QUANT_FORMATS, load_plugins
 from kvlab.speculation.drafts.token_view import QueryLog, gather_heads, indices
-from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, through_format
+from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes
 from kvlab.cache.block_manager import LayerGroup
 from kvlab.testing import check_draft
 from kvlab.testing.drafts import check_nothing_left
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SNAPKV = {"policy": "snapkv", "policy_args": {"budget": 24, "window_size": 8}, "num_tokens": 3, "refresh": 16}
 H2O = {"policy": "h2o", "policy_args": {"budget": 24}, "num_tokens": 3, "refresh": 16}
 QUANT = {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 3, "quant": "int4", "refresh": 16}
+TOKEN_INT4 = {**SNAPKV, "quant": "int4"}
 PAGE = {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 3, "refresh": 16}
-VIEWS = {"token": SNAPKV, "token_h2o": H2O, "quant": QUANT, "page": PAGE}
+VIEWS = {"token": SNAPKV, "token_h2o": H2O, "quant": QUANT, "token_int4": TOKEN_INT4, "page": PAGE}
 TARGETS = {"fp32": {}, "fp8": {"quant": "fp8_e4m3"}, "int4": {"quant": "int4", "batch_invariant": True}}
 
 
@@ -58,7 +60,7 @@ def test_view_copy_slots_go_least_recently_used_first_and_never_to_a_round_membe
         copy.take([1, 2, 3])
     copy.forget(8)
     assert copy.num_held() == 1 and copy.table(1, 0) == [3, 4, 5]
-    assert copy.nbytes() == copy_nbytes(1, 2, 2, 3, 4, 1, 8, torch.float32)
+    assert copy.nbytes() == copy_nbytes(QUANT_FORMATS.build("auto"), 1, 2, 2, 3, 4, 1, 8, torch.float32)
 
 
 def test_query_log_keeps_positions_and_windows_by_position():
@@ -81,16 +83,61 @@ def test_indices_and_gather_follow_the_policys_kept_sets():
     assert got[:, 1].tolist() == [x[1, 1].tolist(), x[2, 1].tolist()]
 
 
-def test_a_quantised_view_is_the_formats_roundtrip():
+def int4_copy(pages: int = 4, open_pages: int = 3) -> ViewCopy:
     load_plugins()
-    x = torch.randn(21, 2, 16)
-    for name in ("int4", "int8", "fp8_e4m3"):
-        fmt = QUANT_FORMATS.build(name)
-        got = through_format(fmt, x, 0, 16, fmt.init_scales(2, "cpu"))
-        err = (got - x).abs().max().item()
-        assert got.shape == x.shape and 0 < err < 0.5 * x.abs().max().item(), (name, err)
-    assert (through_format(QUANT_FORMATS.build("int4"), x, 0, 16) - x).abs().mean() > \
-           (through_format(QUANT_FORMATS.build("int8"), x, 0, 16) - x).abs().mean()
+    return ViewCopy([LayerGroup((0,))], 1, pages, 16, 2, 16, torch.float32, torch.device("cpu"),
+                    QUANT_FORMATS.build("int4"), open_pages)
+
+
+def test_an_int4_view_stores_codes_and_keeps_only_its_open_pages_in_rows():
+    """A page a write covers whole is encoded (int4 codes, scales, zero points: exactly the codec's round trip of
+    its tokens); the page where a write ends stays open, its tokens exact in a residual row; `close` gives back the
+    rows past the draft's page. The copy costs the codes plus its few rows, a fraction of the decoded copy."""
+    copy, x = int4_copy(), torch.randn(40, 2, 16)
+    kv = lambda a, b: [(x[a:b], -x[a:b])]  # noqa: E731
+    copy.write(0, 0, 0, kv(0, 21))  # the selection: page 0 whole, page 1 partly
+    store = copy.cache.k(0)
+    assert store.parts["data"].dtype == torch.uint8 and copy.num_open() == 1
+    codec = copy.cache.codecs[0]
+    sealed = codec.decode(codec.encode(x[None, :16], torch.ones(1, 16, dtype=torch.bool)), torch.float32)[0]
+    got = copy.cache.read_slots(0, torch.arange(21), torch.float32)[0]
+    assert torch.equal(got[:16], sealed) and not torch.equal(got[:16], x[:16])
+    assert torch.equal(got[16:], x[16:21])  # open: as written
+    copy.write(0, 0, 21, kv(21, 37))  # the tokens since the refresh: page 2 [32, 37) opens, page 1 stays open
+    copy.write(0, 0, 37, kv(37, 40))  # a draft's tokens in page 2
+    assert copy.num_open() == 2
+    copy.write(0, 0, 40, kv(0, 12))  # a longer chain reaches page 3
+    assert copy.num_open() == 3
+    copy.close(0, 0, 21, 37)  # page 3 (past the draft's first page, 2) gives its row back
+    assert copy.num_open() == 2
+    decoded = copy_nbytes(QUANT_FORMATS.build("auto"), 1, 1, 1, 4, 16, 2, 16, torch.float32)
+    assert copy.nbytes() == copy_nbytes(QUANT_FORMATS.build("int4"), 1, 1, 1, 4, 16, 2, 16, torch.float32, 3)
+    assert copy.nbytes() < decoded  # 5 pages of codes + 3 rows against 5 decoded pages
+    copy.check_rows()
+
+
+def test_an_int4_views_pages_do_not_depend_on_how_the_steps_wrote_them():
+    """The same tokens written in one step, or over several with draft tokens in between (later overwritten),
+    give the same copy, bit for bit: the page where the selection ends is never encoded, a page is encoded only
+    from a write that covers all of it, and a draft's tentative tokens go to open rows."""
+    x, draft = torch.randn(52, 2, 16), torch.randn(8, 2, 16)
+    kv = lambda t, a, b: [(t[a:b], t[a:b] * 2)]  # noqa: E731
+    one, steps = int4_copy(), int4_copy()
+    one.write(0, 0, 0, kv(x, 0, 21))
+    one.write(0, 0, 21, kv(x, 21, 52))
+    steps.write(0, 0, 0, kv(x, 0, 21))
+    for end in (23, 30, 33, 40, 45, 50):  # each step copies the tokens since the refresh, then drafts 3 tokens
+        steps.write(0, 0, 21, kv(x, 21, end))
+        steps.close(0, 0, 21, end)
+        steps.write(0, 0, end, kv(draft, 0, 3))
+    steps.write(0, 0, 21, kv(x, 21, 52))
+    slots = torch.arange(52)
+    for side in (0, 1):
+        assert torch.equal(one.cache.read_slots(0, slots, torch.float32)[side],
+                           steps.cache.read_slots(0, slots, torch.float32)[side])
+    assert one.num_open() == steps.num_open() == 2  # the selection's last page and the partial page 3
+    for a, b in zip(one.cache.page_tensors(), steps.cache.page_tensors()):  # the encoded pages 0 and 2, bit for bit
+        assert torch.equal(a[[0, 2]], b[[0, 2]])
 
 
 def test_what_a_copied_view_cannot_be_is_refused():
@@ -212,15 +259,17 @@ def test_conformance_suite_with_preemption(view, target):
     check_draft("self_compressed", args, model=MODEL, small_pool=view_bytes + pool, block_size=4, **TARGETS[target])
 
 
-def test_sampled_outputs_follow_the_plain_distribution_through_a_token_view():
-    """1,000 seeded sampled requests (temperature 1, top-k 4) with a one-layer draft over an 8-token SnapKV view:
-    the 2nd and 3rd output tokens are distributed as plain sampling's (two-sample chi-square at 99.9%)."""
+@pytest.mark.parametrize("quant", [None, pytest.param("int4", marks=pytest.mark.heavy)])  # int4: ~25 s (page plans)
+def test_sampled_outputs_follow_the_plain_distribution_through_a_token_view(quant):
+    """1,000 seeded sampled requests (temperature 1, top-k 4) with a one-layer draft over an 8-token SnapKV view,
+    decoded or stored as int4 codes: the 2nd and 3rd output tokens are distributed as plain sampling's
+    (two-sample chi-square at 99.9%)."""
     n, prompt = 1000, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 1, 2]
     engine = dict(block_size=4, kv_cache_memory="64MiB", max_num_seqs=n, max_num_batched_tokens=n * 16)
     sp = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=i, ignore_eos=True) for i in range(n)]
     plain_out = [o.token_ids for o in LLM(MODEL, **engine).generate([prompt] * n, sp)]
     args = {"policy": "snapkv", "policy_args": {"budget": 8, "window_size": 4}, "refresh": 8, "layers": 1,
-            "num_tokens": 2, "max_batch": 256}
+            "num_tokens": 2, "max_batch": 256, "quant": quant}
     llm = LLM(MODEL, draft="self_compressed", draft_args=args, **engine)
     spec_out = [o.token_ids for o in llm.generate([prompt] * n, sp)]
     stats = llm.stats()
@@ -229,3 +278,29 @@ def test_sampled_outputs_follow_the_plain_distribution_through_a_token_view():
     for index in (1, 2):
         stat, df = two_sample_chi_square([o[index] for o in plain_out], [o[index] for o in spec_out])
         assert stat < chi2_critical(df), f"output token {index}: chi2 {stat:.1f} >= {chi2_critical(df):.1f}"
+
+
+def test_an_int4_view_costs_a_fraction_of_the_decoded_one_and_the_target_gets_the_rest():
+    """The same 256-token SnapKV view decoded (fp32) and stored as int4 codes: the int4 copy (codes, scales, zero
+    points, and the two full-precision rows a slot's draft chain writes) is under a third of the decoded copy's
+    bytes, and the target's pool gets the difference; over an fp32 target greedy output is plain decoding's."""
+    batch, view = long_prompts(3), {**SNAPKV, "policy_args": {"budget": 256, "window_size": 8}}
+    decoded, stats_f, llm_f = run(view, batch, 12, kv_cache_memory="8MiB")
+    coded, stats_q, llm_q = run({**view, "quant": "int4"}, batch, 12, kv_cache_memory="8MiB")
+    assert decoded == coded == plain_on(batch, 12, "fp32")
+    view_f, view_q = stats_f["spec_view_bytes"], stats_q["spec_view_bytes"]
+    draft = llm_q.engine.speculator.draft
+    assert view_q == draft._copy.nbytes() and draft._copy.cache.k(0).parts["data"].dtype == torch.uint8
+    assert view_q < view_f / 3, (view_q, view_f)  # 18 pages of codes and 2 rows a slot against 18 decoded pages
+    assert llm_q.engine.block_manager.num_blocks > llm_f.engine.block_manager.num_blocks
+    assert stats_q["spec_acceptance_rate"] > 0
+
+
+def test_an_int4_view_of_every_token_accepts_nearly_what_the_exact_view_does():
+    """A 256-token view (every token of these prompts) read exactly accepts every draft; stored as int4 codes (the
+    open pages exact in their rows) it accepts nearly as much, and as int2 less: the draft reads what the copy's
+    format holds, the newest tokens and its own drafts at full precision."""
+    batch, view = long_prompts(4), {**SNAPKV, "policy_args": {"budget": 256, "window_size": 8}}
+    rate = {q: run({**view, "quant": q}, batch, 24, kv_cache_memory="8MiB")[1]["spec_acceptance_rate"]
+            for q in (None, "int4", "int2")}
+    assert rate[None] == 1.0 and rate["int4"] >= 0.9 and rate["int2"] < rate["int4"], rate

@@ -246,20 +246,19 @@ class PagedAllocator(Allocator):
 
     def release_before(self, seq_id: int, token_index: int) -> int:
         table = self.tables[seq_id]
-        released = 0
-        for i in range(min(token_index // self.block_size, len(table))):
-            if table[i] != NULL_BLOCK:
-                self._release(table[i])
-                table[i] = NULL_BLOCK
-                released += 1
-        return released
+        return self._release_entries(table, range(min(token_index // self.block_size, len(table))))
 
     def release_blocks(self, seq_id: int, block_indices: list[int]) -> int:
-        table = self.tables[seq_id]
+        table, indices = self.tables[seq_id], sorted(set(block_indices))
+        wrong = [i for i in indices if not 0 <= i < len(table)]
+        if wrong:  # checked before any is released
+            raise ValueError(f"sequence {seq_id} has no block {wrong[0]} (it holds {len(table)})")
+        return self._release_entries(table, indices)
+
+    def _release_entries(self, table: list[int], indices) -> int:
+        """Release the pages at these table indices (their entries become NULL_BLOCK); how many there were."""
         released = 0
-        for i in sorted(set(block_indices)):
-            if not 0 <= i < len(table):
-                raise ValueError(f"sequence {seq_id} has no block {i} (it holds {len(table)})")
+        for i in indices:
             if table[i] != NULL_BLOCK:
                 self._release(table[i])
                 table[i] = NULL_BLOCK

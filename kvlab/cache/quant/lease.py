@@ -88,6 +88,26 @@ class RowClaims:
         return sum(1 for j in range(first, (end - 1) // bs + 1)
                    if j >= len(table) or not self._keeps_row(table[j]))
 
+    def first_rows(self, start: int, n: int) -> int:
+        """Rows a first chunk of `n` tokens at cache index `start` of a fresh table leases (a prefix hit's
+        pages before `start` are sealed: kvlab.cache.block_manager.BlockManager.shareable)."""
+        return self.new_rows([], start, n)
+
+    def most_first_rows(self, start: int, n: int) -> int:
+        """The most rows a first chunk of up to `n` tokens at cache index `start` leases: the pages it spans,
+        at most a window's."""
+        return min(self.window_rows, (start + n - 1) // self.block_size - start // self.block_size + 1) if n > 0 else 0
+
+    def lone_rows(self, length: int, window: int | None = None) -> int:
+        """Rows a table of `length` cache indices holds while one more token is written: its pages in the window
+        (open since their tokens came in; with a sliding `window`, its pages released out of that window are not
+        held), and the written page's when it opens one. A lone sequence computing a token a step never holds more."""
+        bs = self.block_size
+        residual = self.residual if window is None else min(self.residual, window - 1)
+        held = max(0, -(-length // bs) - max(0, length - residual) // bs)
+        opens = length % bs == 0 and (length // bs + 1) * bs > length + 1 - self.residual
+        return held + opens
+
     def _keeps_row(self, page: int) -> bool:
         return page >= 0 and self.has_row(page) and (self.num_owners is None or self.num_owners(page) <= 1)
 

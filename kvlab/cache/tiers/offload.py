@@ -24,6 +24,7 @@ class OffloadArgs:
     disk_memory: int | str = "4GiB"  # disk tier budget
     path: str | None = None  # disk tier folder (None: a fresh temporary folder, removed at close)
     clean_stale: bool = False  # remove page files a killed run left in `path` (else such a folder is refused)
+    async_reads: bool = True  # disk reads on a worker thread (a request waits for its pages, others run)
 
     def __post_init__(self) -> None:
         from kvlab.engine_config import parse_bytes
@@ -59,5 +60,5 @@ def make_tiers(offload: str, args: dict, page_nbytes: int, pin: bool) -> list[Ti
         if kind == "host":
             tiers.append(HostTier(a.memory // page_nbytes, page_nbytes, pin=pin))
         else:
-            tiers.append(DiskTier(a.disk_memory // page_nbytes, page_nbytes, a.path, a.clean_stale))
+            tiers.append(DiskTier(a.disk_memory // page_nbytes, page_nbytes, a.path, a.clean_stale, a.async_reads))
     return tiers

@@ -4,9 +4,16 @@
 its tier) and asks the placement (kvlab.cache.tiers.placement) every decision: which tier a page leaving
 the pool goes to, which page a full tier lets go, and where that one goes (a slower tier, or nowhere).
 Every data move it decides is made at once by its `mover`, the one door for KV moves
-(kvlab.cache.paged_kv.PagedKV: `demote`, `restore`, `spill`, `discard`, `readable`), so no page is ever in
-two places, or in none while it is recorded somewhere. A page that is dropped from the last tier is
-reported to `on_drop` (the prefix cache forgets that block's entry: it will be recomputed).
+(kvlab.cache.paged_kv.PagedKV: `demote`, `restore_many`, `spill`, `discard`, `start_read`, `poll`), so no page
+is ever in two places, or in none while it is recorded somewhere. A page that is dropped from the last tier, or
+whose read failed, is reported to `on_drop` (the prefix cache forgets that block's entry: it will be recomputed).
+
+Reads ahead: `fetch(keys)` starts the reads of the pages a request's hit needs from a slow tier and says whether
+all of them are in memory (the scheduler admits the request only then); `prefetch(keys)` starts those the
+placement wants read before the request is scheduled (a returning conversation, at `add_request`). A page whose
+read failed (its file deleted or truncated after it was demoted) is forgotten with a warning: the request is
+looked up again and recomputes that block. The engine's observed rates reach the placement through
+`observe_compute` / `observe_restore` (the cost-aware placement's cost model).
 
 Invariants (`check`): each key is in exactly one tier; no tier holds more pages than its capacity; the
 tiers' own counts equal the records.
@@ -14,6 +21,7 @@ tiers' own counts equal the records.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Protocol
 
@@ -23,11 +31,15 @@ from kvlab.cache.tiers.placement.base import Placement
 class Mover(Protocol):
     def movable(self, page: int) -> bool: ...
     def demote(self, page: int, tier: int, key: Hashable) -> None: ...
-    def restore(self, key: Hashable, tier: int, page: int) -> None: ...
+    def restore_many(self, items: list[tuple[Hashable, int, int]]) -> dict[int, float]: ...
     def spill(self, key: Hashable, src: int, dst: int) -> None: ...
     def discard(self, key: Hashable, tier: int) -> None: ...
-    def readable(self, key: Hashable, tier: int) -> bool: ...
     def tier_len(self, tier: int) -> int: ...
+    def ready(self, key: Hashable, tier: int) -> bool: ...
+    def start_read(self, key: Hashable, tier: int) -> None: ...
+    def poll(self) -> list[tuple[Hashable, str | None]]: ...
+    def wait(self) -> None: ...
+    def in_flight(self) -> int: ...
 
 
 @dataclass
@@ -38,6 +50,10 @@ class TierStats:
     dropped: int = 0  # pages dropped from the tiers (recomputed if needed again)
     refused: int = 0  # pages leaving the pool that the placement sent nowhere
     failed_reads: int = 0  # pages a tier could not give back (recomputed instead)
+    prefetched: int = 0  # reads the placement started when the request was added (before it was scheduled)
+    fetched: int = 0  # reads started when the scheduler first looked at the request
+    waits: int = 0  # times a request was passed over because a page of its hit was still being read
+    recomputed: int = 0  # tier pages a hit left behind because recomputing them was cheaper (cost model)
     bytes_moved: int = 0  # bytes copied between the pool and the tiers, and between tiers
     move_seconds: float = 0.0  # time spent copying them
     hits: dict = field(default_factory=dict)  # tier kind -> pages restored from it
@@ -56,6 +72,7 @@ class Places:
         self.tier_of: dict[Hashable, int] = {}
         self.held = [0] * len(kinds)
         self.claimed: set[Hashable] = set()  # about to be restored: no longer a victim
+        self.reading: set[Hashable] = set()  # reads ahead started, not yet reported by the tier
         self.on_drop: Callable[[Hashable], None] | None = None
         self.stats = TierStats()
 
@@ -82,28 +99,92 @@ class Places:
 
     def restore(self, key: Hashable, page: int) -> None:
         """Block `key` comes back into pool page `page` (fresh, held by the table that hit it)."""
-        tier = self.tier_of.pop(key)
-        self.held[tier] -= 1
-        self.claimed.discard(key)
-        self.placement.removed(key)
-        self.mover.restore(key, tier, page)
-        self.placement.hit(key)
-        self.stats.restored += 1
-        self.stats.hits[self.kinds[tier]] = self.stats.hits.get(self.kinds[tier], 0) + 1
+        self.restore_many([(key, page)])
 
-    def readable(self, key: Hashable) -> bool:
-        """Can `key` be restored? An unreadable page is forgotten here (its tier copy dropped, counted)."""
-        if self.mover.readable(key, self.tier_of[key]):
-            return True
-        self.stats.failed_reads += 1
-        self.discard(key)
-        return False
+    def restore_many(self, pairs: list[tuple[Hashable, int]]) -> None:
+        """Blocks come back into fresh pool pages (key, page), moved together (one copy per pool tensor and tier)."""
+        items = []
+        for key, page in pairs:
+            tier = self.tier_of.pop(key)
+            self.held[tier] -= 1
+            self.claimed.discard(key)
+            self.placement.removed(key)
+            items.append((key, tier, page))
+        for tier, seconds in self.mover.restore_many(items).items():
+            self.placement.observe_restore(tier, sum(1 for _, t, _ in items if t == tier), seconds)
+        for key, tier, _ in items:
+            self.placement.hit(key)
+            self.stats.restored += 1
+            self.stats.hits[self.kinds[tier]] = self.stats.hits.get(self.kinds[tier], 0) + 1
+
+    # -- reading ahead -------------------------------------------------------------
+    def fetch(self, keys: list[Hashable]) -> bool:
+        """Start the reads `keys` need (a request's hit, about to be scheduled); True once every one is in memory.
+        A failed read forgets its page (see `poll`): the caller looks the request up again."""
+        for key in keys:
+            tier = self.tier_of.get(key)
+            if tier is not None and key not in self.reading and not self.mover.ready(key, tier):
+                self._start(key, tier)
+                self.stats.fetched += 1
+        self.poll()
+        return all(key in self.tier_of and self.mover.ready(key, self.tier_of[key]) for key in keys)
+
+    def prefetch(self, keys: list[Hashable]) -> int:
+        """A request was added whose prefix hits `keys`: start the reads the placement wants now; how many."""
+        n = 0
+        for key in keys:
+            tier = self.tier_of.get(key)
+            if tier is not None and not self.mover.ready(key, tier) and key not in self.reading \
+                    and self.placement.prefetch(key, tier):
+                self._start(key, tier)
+                n += 1
+        self.stats.prefetched += n
+        return n
+
+    def _start(self, key: Hashable, tier: int) -> None:
+        if key in self.reading:
+            return
+        self.reading.add(key)
+        self.placement.removed(key)  # being read: the most recently used page of its tier
+        self.placement.inserted(key, tier)
+        self.mover.start_read(key, tier)
+
+    def poll(self) -> list[Hashable]:
+        """Take the finished reads; a failed one's page is forgotten (warned, counted, `on_drop`). The keys lost."""
+        lost = []
+        for key, error in self.mover.poll():
+            self.reading.discard(key)
+            if error is None or key not in self.tier_of:
+                continue
+            warnings.warn(f"a tier could not read back a cached page ({error}): it is recomputed", RuntimeWarning,
+                          stacklevel=3)
+            self.stats.failed_reads += 1
+            self.discard(key)
+            lost.append(key)
+            if self.on_drop is not None:
+                self.on_drop(key)
+        return lost
+
+    def in_flight(self) -> bool:
+        """Are reads still running (a request may be waiting on one)?"""
+        return bool(self.reading)
+
+    def wait(self) -> None:
+        """Block until a read finishes, then take it (`poll`)."""
+        if self.reading:
+            self.mover.wait()
+        self.poll()
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` prompt tokens in `seconds` (the cost model's recompute rate)."""
+        self.placement.observe_compute(tokens, seconds)
 
     def discard(self, key: Hashable) -> None:
         """Forget `key` and drop its tier copy (the pool holds the block again, or it is lost)."""
         tier = self.tier_of.pop(key)
         self.held[tier] -= 1
         self.claimed.discard(key)
+        self.reading.discard(key)
         self.placement.removed(key)
         self.mover.discard(key, tier)
 
@@ -145,6 +226,7 @@ class Places:
             return
         self.tier_of.pop(key)
         self.held[tier] -= 1
+        self.reading.discard(key)
         self.mover.discard(key, tier)
         self.stats.dropped += 1
         if self.on_drop is not None:

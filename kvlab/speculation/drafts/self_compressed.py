@@ -14,10 +14,11 @@ draft is the target's own network (or, with `layers`, its early exit: kvlab/spec
   last page; the draft's k passes write the last committed token's K/V and its drafts' after it, there.
 - a *copied view* (kvlab/speculation/drafts/view_copy.py): a token-granular view (any registered token-level
   policy, its `budget` tokens of [0, P) chosen by the policy's own select: kvlab/speculation/drafts/token_view.py),
-  a quantised view (`quant`: the copy passes through that format's encode / decode), or any view over a packed
-  target (int8 / int4 / int2, whose pages a draft cannot write beside). The copy is refreshed at P, every
-  `refresh` tokens of the sequence (by position, not by step), holds the target's tokens [P, c) besides, and
-  its draft tokens after them; its bytes come out of `kv_cache_memory` (`reserved_bytes`).
+  a quantised view (`quant`: QuantSpec's idea, the copy *stored* in that format -- int4's codes, scales and
+  zero points -- its open pages in full-precision rows), or any view over a packed target (int8 / int4 / int2,
+  whose pages a draft cannot write beside). The copy is refreshed at P, every `refresh` tokens of the sequence
+  (by position, not by step), holds the target's tokens [P, c) besides, and its draft tokens after them; its
+  bytes come out of `kv_cache_memory` (`reserved_bytes`).
 
 Either way the target's pages are only read: the target's cache (pages, residual rows, page summaries) never
 holds a K/V the draft computed, and verification (the exact verifier, kvlab/speculation/speculator.py)
@@ -41,7 +42,7 @@ from kvlab.speculation.drafts.layerskip import early_exit
 from kvlab.speculation.drafts.model import unsure as unsure_rows
 from kvlab.speculation.drafts.page_view import SUPPORTED, PageView, page_view
 from kvlab.speculation.drafts.token_view import QueryLog, TokenView, gather_heads
-from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, through_format
+from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, keeps_rows
 
 
 def choose_view(policy) -> PageView | TokenView:
@@ -68,8 +69,8 @@ class SelfCompressedDraft(DraftModel):
     # token-level policy (snapkv, h2o, tova, knorm, ...: a copied view of `budget` tokens)
     policy_args: dict = field(default_factory=lambda: {"budget": 256})  # its arguments (budget: tokens read)
     layers: int | None = None  # decoder layers the draft runs (an early exit); None: all of them
-    quant: str | None = None  # a quantised view (QuantSpec): a registered format the copy passes through; None:
-    # the target's own values
+    quant: str | None = None  # a quantised view (QuantSpec): a registered format the copy is stored in (int4: its
+    # codes and scales, a fraction of the decoded copy's bytes); None: the target's values, decoded
     refresh: int = 64  # a copied view's selection is remade every `refresh` tokens of the sequence (by position)
     max_batch: int = 16  # sequences drafted in one pass (the scratch, or the copy, holds this many)
 
@@ -117,13 +118,29 @@ class SelfCompressedDraft(DraftModel):
         windows = [g.sliding_window for g in groups if g.sliding_window is not None]
         return -(-(max([budget + self.refresh - 1] + windows) + self.longest()) // block_size)
 
+    def copy_format(self):
+        """The format the copy is stored in: the quantised view's, else `auto` (decoded, the compute dtype)."""
+        return QUANT_FORMATS.build(self.quant or "auto")
+
+    def open_pages(self, block_size: int) -> int:
+        """Open pages (residual rows) one slot of a copy that keeps rows needs per layer group: those a draft chain
+        writes, and the page where the selection ends where that may fall inside a page (a selection of a budget
+        or refresh interval that is no multiple of the block size; its S tokens are min(budget, P))."""
+        if not keeps_rows(self.copy_format()):
+            return 0
+        budget = self._view.policy.budget if isinstance(self._view, TokenView) else self._view.budget
+        straddles = bool((budget or 0) % block_size or self.refresh % block_size)
+        return self.pages_per_sequence(block_size) + straddles
+
     def reserved_bytes(self, groups, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        packed: bool) -> int:
         """Bytes of the view's copy, taken from the target's `kv_cache_memory` (0: a page view, no copy)."""
         if not self.copies(packed):
             return 0
-        return copy_nbytes(len(groups), len(groups[0].layers), self.max_batch, self.copy_pages(groups, block_size),
-                           block_size, num_kv_heads, head_dim, dtype)
+        fmt = self.copy_format()
+        fmt.check_shape(num_kv_heads, head_dim, block_size)
+        return copy_nbytes(fmt, len(groups), len(groups[0].layers), self.max_batch, self.copy_pages(groups, block_size),
+                           block_size, num_kv_heads, head_dim, dtype, self.open_pages(block_size))
 
     def setup(self, engine) -> None:
         cache, bm = engine.cache, engine.block_manager
@@ -134,7 +151,7 @@ class SelfCompressedDraft(DraftModel):
                                f"{len(cache.scratch_pages)}: build it through kvlab.engine.build")
         self._cache, self._bm, self._device = cache, bm, torch.device(engine.config.device)
         self._plan_view = engine.plan_view  # kvlab.engine.attention.plan_view (the engine lends it)
-        self._copy = self._log = self._fmt = None
+        self._copy = self._log = None
         if self.copies(packed):
             self._build_copy(engine, dtype)
         if self.layers is None:
@@ -154,13 +171,9 @@ class SelfCompressedDraft(DraftModel):
         heads = mc.num_key_value_heads
         dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self._copy = ViewCopy(bm.groups, self.max_batch, self.copy_pages(bm.groups, bm.block_size), bm.block_size,
-                              heads, dim, dtype, self._device, QUANT_FORMATS.build("auto"))
+                              heads, dim, dtype, self._device, self.copy_format(), self.open_pages(bm.block_size))
         if self._copy.nbytes() != self.reserved_bytes(bm.groups, bm.block_size, heads, dim, dtype, True):
             raise RuntimeError("draft self_compressed: the view copy's bytes differ from those reserved at build")
-        if self.quant is not None:
-            self._fmt = QUANT_FORMATS.build(self.quant)
-            self._fmt.check_shape(heads, dim, bm.block_size)
-            self._scales = self._fmt.init_scales(heads, self._device)
         if isinstance(self._view, TokenView):
             self._view = TokenView(self._view.policy, mc.num_hidden_layers)
             self._view.policy.bind(engine.model)
@@ -229,6 +242,8 @@ class SelfCompressedDraft(DraftModel):
                 if not seqs[i].params.greedy:
                     probs[i].append(q[row])
                 drafted[i].append(token)
+        if self._copy is not None:
+            self._copy.check_rows()
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
 
     def _views(self, seq, i: int) -> list[tuple[list[int], int]]:
@@ -264,16 +279,18 @@ class SelfCompressedDraft(DraftModel):
                 selected = 0
             else:
                 if copy.refreshed.get((slot, g)) != (seq.seq_id, P):
+                    copy.reset(slot, g)
                     copy.selected[(slot, g)] = self._select(seq, slot, g, table, P)
                     copy.refreshed[(slot, g)] = (seq.seq_id, P)
                 selected, start = copy.selected[(slot, g)], P
-            self._copy_tokens(slot, g, table, range(start, c), selected)
-            out.append((copy.table(slot, g), selected + c - start))
+            length = self._copy_tokens(slot, g, table, range(start, c), selected)
+            copy.close(slot, g, selected, length)
+            out.append((copy.table(slot, g), length))
         return out
 
     def _select(self, seq, slot: int, g: int, table: list[int], P: int) -> int:
         """Write the view's selection of the target's tokens [0, P) of group `g` into `slot`; -> its length S."""
-        group, sizes = self._bm.groups[g], set()
+        group, sizes, kv = self._bm.groups[g], set(), []
         if isinstance(self._view, PageView):
             bs = self._bm.block_size
             pages = self._view.full_pages(P, bs)
@@ -283,20 +300,20 @@ class SelfCompressedDraft(DraftModel):
             keys, values = self._read(layer, table, range(P))  # [P, Hkv, D] each
             queries = self._log.window(seq.seq_id, layer, P, self._view.window) if self._log else None
             idx = self._view.select(layer, keys, values, queries)  # [Hkv, S]
-            k, v = gather_heads(keys, idx), gather_heads(values, idx)  # [S, Hkv, D]
-            self._copy.write(slot, g, layer, 0, *self._encoded(k, v))
+            kv.append((gather_heads(keys, idx), gather_heads(values, idx)))  # [S, Hkv, D] each
             sizes.add(idx.shape[1])
         if len(sizes) > 1:
             raise ValueError(f"draft self_compressed: policy {self.policy!r} keeps {sorted(sizes)} tokens in layers "
                              f"of one group; a token view needs one budget for every layer")
+        if kv:
+            self._copy.write(slot, g, 0, kv)
         return sizes.pop() if sizes else 0
 
     def _copy_tokens(self, slot: int, g: int, table: list[int], tokens, start: int) -> int:
         """The target's cache indices `tokens` of group `g` -> the copy's indices start.. of `slot`; -> start + n."""
         tokens = list(tokens)
         if tokens:
-            for layer in self._bm.groups[g].layers:
-                self._copy.write(slot, g, layer, start, *self._encoded(*self._read(layer, table, tokens)))
+            self._copy.write(slot, g, start, [self._read(layer, table, tokens) for layer in self._bm.groups[g].layers])
         return start + len(tokens)
 
     def _read(self, layer: int, table: list[int], tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,13 +321,6 @@ class SelfCompressedDraft(DraftModel):
         bs, index = self._bm.block_size, torch.tensor(list(tokens), dtype=torch.int64)
         slots = torch.tensor(table, dtype=torch.int64)[index // bs] * bs + index % bs
         return self._cache.read_slots(layer, slots.to(self._device), self._cache.compute_dtype)
-
-    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A quantised view's K/V through its format (QuantSpec); the target's own otherwise."""
-        if self._fmt is None:
-            return k, v
-        bs = self._bm.block_size
-        return (through_format(self._fmt, k, 0, bs, self._scales), through_format(self._fmt, v, 1, bs, self._scales))
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], positions: list[int], views, j: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ ENGINE_STATS = ("tokens_per_s", "prompt_tokens", "generated_tokens", "busy_s", "
                 "kv_blocks_peak", "kv_blocks_mean", "kv_blocks_peak/*", "kv_blocks_mean/*", "kv_bytes_peak",
                 "kv_bytes_mean", "kv_tokens_peak", "kv_tokens_mean", "waste_internal", "waste_reservation",
                 "waste_external", "preemptions", "max_concurrent_seqs", "mean_concurrent_seqs", "cow_copies",
-                "policy_*", "prefix_*", "sparse_*", "spec_*")
+                "policy_*", "prefix_*", "sparse_*", "spec_*", "tier_*")
 
 
 def replay_metrics(prefix: str = "workload") -> tuple[str, ...]:

@@ -12,6 +12,12 @@ pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are nu
     spill(key, tier) -> tier | None  the victim's next place: a slower tier, or None (dropped)
     removed(key)                   it left its tier (restored or dropped): no longer a victim
     hit(key)                       a request took it back into the pool (frequency policies count these)
+    prefetch(key, tier) -> bool    a request was just added whose prefix hits `key` in a slow tier: read it now,
+                                   before the request is scheduled? (default: yes)
+    restore_pays(pages, tokens) -> bool   a hit would restore `pages` ({tier: count}) to skip computing
+                                   `tokens` tokens: restore (True, default) or recompute them
+    observe_compute(tokens, s)     a step computed `tokens` tokens in `s` seconds (the engine's observed rate)
+    observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds
 
 Keys are stable per (prefix-cache node, layer group): a block that goes down, comes back and goes down
 again keeps its key, so a policy can learn how often it returns.
@@ -32,6 +38,7 @@ Key = Hashable
 class Placement(ABC):
     """Base class of placements; subclasses are dataclasses of their parameters."""
 
+    prefetch_ahead: bool = True  # read a returning request's slow-tier pages as soon as it is added
     kinds: list = field(default_factory=list, init=False, repr=False)  # tier kinds, fastest first
     capacities: list = field(default_factory=list, init=False, repr=False)  # pages each tier holds at most
     page_bytes: int = field(default=0, init=False, repr=False)
@@ -63,6 +70,21 @@ class Placement(ABC):
 
     def hit(self, key: Key) -> None:
         """A request took `key` back into the pool."""
+
+    def prefetch(self, key: Key, tier: int) -> bool:
+        """Start reading `key` from slow `tier` as soon as a request whose prefix hits it is added (else when the
+        scheduler first looks at the request)?"""
+        return self.prefetch_ahead
+
+    def restore_pays(self, pages: dict[int, int], tokens: int) -> bool:
+        """Restore `pages` ({tier: pages}) rather than recompute the `tokens` tokens they hold?"""
+        return True
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` tokens in `seconds`."""
+
+    def observe_restore(self, tier: int, pages: int, seconds: float) -> None:
+        """`pages` pages came back from `tier` in `seconds` (one run)."""
 
 
 PLACEMENTS.base = Placement

@@ -1,0 +1,143 @@
+"""Restore or recompute: the history length where bringing a conversation's pages back from the disk tier stops
+beating recomputing them, and whether the cost-aware placement chooses the faster side of it.
+
+For each history length L (--lengths) and variant, on a fresh engine whose pool holds one history: a first turn of
+L WikiText-2 tokens (1 greedy token), a filler prompt that pushes its pages out of the pool (down to the disk tier
+where there is one), then the returning turn: the history, its answer and a --user-len-token message. Its time to
+first token is what is compared (medians of --repeats, each on different text):
+- recompute: prefix caching without tiers (the history is recomputed with the new message);
+- disk: the history comes back from the disk tier (read ahead on the worker, one copy per pool tensor);
+- cost_aware: the disk tier with the cost-aware placement and its measured rates (start-up calibration of the
+  tier, the engine's own steps): it restores or recomputes; the table says which, and its crossover estimate.
+Outputs are checked equal across the variants.
+
+    python experiments/bench_tier_crossover.py --model random:llama-tiny --block-size 4 --lengths 4,8,16,32,64 \
+        --user-len 8 --repeats 3 --out /tmp/crossover_tiny        # seconds
+    nice -n 10 .venv/bin/python experiments/bench_tier_crossover.py --out experiments/results/tier_crossover_smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"recompute": {}, "disk": {"offload": "disk"},
+            "cost_aware": {"offload": "disk", "offload_placement": "cost_aware"}}
+
+
+def one(loaded, text: list[int], length: int, variant: str, args, page_bytes: int) -> dict:
+    from kvlab import LLM, SamplingParams
+
+    bs = args.block_size
+    pool_pages = -(-(length + args.user_len + 8) // bs) + 2
+    llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=bs, kv_cache_memory=pool_pages * page_bytes,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, **VARIANTS[variant])
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    first, filler, message = text[:length], text[length:length + (pool_pages - 1) * bs], text[-args.user_len:]
+    answer = llm.generate([first], one_token)[0].token_ids
+    llm.generate([filler], one_token)
+    start = time.perf_counter()
+    out = llm.generate([first + answer + message], one_token)[0]
+    wall = time.perf_counter() - start
+    stats = llm.stats()
+    placement = llm.engine.kv.places.placement if llm.engine.kv.places is not None else None
+    cross = placement.crossover_tokens(0) if hasattr(placement, "crossover_tokens") else None
+    llm.close()
+    return {"ttft_s": out.ttft_s if out.ttft_s is not None else wall, "restored": stats.get("tier_restored", 0),
+            "recomputed": stats.get("tier_recomputed", 0), "crossover_estimate": cross, "answer": out.outputs[0].token_ids}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    from kvlab import LLM
+    from kvlab.models import load_model
+    from kvlab.study.tasks.data import ByteTokenizer, corpus_tokens
+    from kvlab.study.workloads.azure import DEFAULT_CORPUS
+
+    started, before = time.strftime("%Y-%m-%d %H:%M", time.gmtime()), uptime()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    tokenizer = loaded.tokenizer or ByteTokenizer(loaded.model.config.vocab_size)
+    corpus = corpus_tokens(DEFAULT_CORPUS, None, tokenizer)
+    probe = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=args.block_size, kv_cache_memory="1MiB")
+    page_bytes = probe.engine.bytes_per_block
+    del probe
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    for length in lengths:
+        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for r in range(args.repeats):
+            offset = (r * 7919 + length * 131) % (len(corpus) - 3 * length - 4 * args.user_len - 64)
+            text = corpus[offset:offset + 3 * length + 2 * args.user_len + 64]
+            for v in (VARIANTS if r % 2 == 0 else list(VARIANTS)[::-1]):
+                runs[v].append(one(loaded, text, length, v, args, page_bytes))
+        med = {v: statistics.median(x["ttft_s"] for x in rs) for v, rs in runs.items()}
+        ca = runs["cost_aware"]
+        choice = ("restore" if all(x["restored"] for x in ca) else "recompute" if all(x["recomputed"] for x in ca)
+                  else "mixed")
+        faster = "restore" if med["disk"] < med["recompute"] else "recompute"
+        same = all(x["answer"] == rs[0]["answer"] for rs in zip(*runs.values()) for x in rs)
+        rows.append({"history_tokens": length, "ttft_recompute_ms": med["recompute"] * 1e3,
+                     "ttft_disk_restore_ms": med["disk"] * 1e3, "ttft_cost_aware_ms": med["cost_aware"] * 1e3,
+                     "restore_speedup": med["recompute"] / med["disk"], "faster": faster, "cost_aware_chose": choice,
+                     "cost_aware_correct": choice == faster or abs(med["disk"] / med["recompute"] - 1) < 0.1,
+                     "crossover_estimate_tokens": statistics.median(x["crossover_estimate"] for x in ca),
+                     "answers_identical": same})
+        print(rows[-1], flush=True)
+    command = " ".join(["python experiments/bench_tier_crossover.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
+               "uptime_before": before, "uptime_after": uptime(), "args": vars(args), "page_bytes": page_bytes,
+               "rows": rows}
+    text = report(results, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return results
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def report(results: dict, args) -> str:
+    cols = list(results["rows"][0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in results["rows"]:
+        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    return "\n".join([
+        f"# Restore from disk or recompute: {args.model}", "",
+        f"A returning turn: a history of `history_tokens` WikiText-2 tokens and its answer, then a {args.user_len}-token "
+        f"message; the pool holds one history (block {args.block_size}, {results['page_bytes']} bytes a page) and a "
+        f"filler pushed it out. TTFT medians of {args.repeats} runs (fresh engine each, different text); "
+        f"{args.threads} torch thread(s). `faster`: restore when the disk restore's TTFT is below the recompute's; "
+        f"`cost_aware_correct`: its choice is the faster one (or the two are within 10%).", "", *lines, "",
+        f"Command: `{results['command']}`, run {results['date']}.", "",
+        f"`uptime` before: {results['uptime_before']}; after: {results['uptime_after']}", ""])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lengths", default="16,32,64,128,256,512,1024")
+    p.add_argument("--user-len", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(REPO / "experiments" / "results" / "tier_crossover_smollm2"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
