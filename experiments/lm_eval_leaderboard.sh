@@ -7,7 +7,12 @@
 # THROUGHPUT=1 adds the KV MiB held and tokens/s columns: the policy leaderboard's workload-only sweep (a batch
 # of 16 Azure code-trace requests, conf/experiment/leaderboard.yaml) into the same study, merged by kvlab-report
 # per (policy, ratio). Timing: run it on quiet cores.
+# THREADS=n sets torch's intra-op threads (OMP_NUM_THREADS) of every job: on cores shared with other jobs, THREADS=1
+# avoids the two threads of each small op waiting on each other (3.8x faster on a 576-wide layer at load 12 on two
+# cores). LOGGER=none skips the W&B offline run of every job (its start took 26 s under that load; the local record
+# that kvlab-report reads is always written).
 set -uo pipefail
+[ -n "${THREADS:-}" ] && export OMP_NUM_THREADS=${THREADS}
 MODEL=${1:-smollm2-135m}
 PY=${PY:-.venv/bin/python}
 STUDY=lm_eval_leaderboard_${MODEL}
@@ -16,6 +21,7 @@ GRID=("policy=${POLICIES:-snapkv,pyramidkv,streaming_llm,tova,knorm,expected_att
 SIZES=()
 [ -n "${LIMIT:-}" ] && SIZES+=("task.limit=${LIMIT}")
 [ -n "${TASKS:-}" ] && SIZES+=("task.tasks=${TASKS}")
+[ -n "${LOGGER:-}" ] && SIZES+=("logger=${LOGGER}")
 COMMON=(experiment=lm_eval_leaderboard "model=${MODEL}" "name=${STUDY}" "${SIZES[@]}")
 status=0
 $PY -m kvlab -m "${COMMON[@]}" policy=full policy.compression_ratio=0 || status=1

@@ -419,7 +419,9 @@ class LLMEngine:
                 if len(run) > 1:  # a verified run: the pages its accepted drafts filled are findable now
                     self.block_manager.commit(seq)
         for seq, rows, targets in out.score_rows:
-            logp = torch.log_softmax(out.logits[rows], dim=-1)  # [r, V]
+            # a scoring sequence's rows are consecutive (ModelRunner.prepare): a view of the step's logits, not a
+            # copy (a rolling window's 512 rows of Gemma 3's 262k vocabulary are 537 MB)
+            logp = torch.log_softmax(out.logits[rows[0] : rows[-1] + 1], dim=-1)  # [r, V]
             seq.logprobs.extend(logp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist())
             if seq.seq_id in self._return_dists:
                 seq.dists.extend(logp)

@@ -96,7 +96,7 @@ class ModelRunner:
                 lo = max(start, seq.score_from - 1 + seq.num_scored_tokens)
                 hi = min(end, seq.num_tokens - 1)
                 if hi > lo:
-                    rows = list(range(len(keep), len(keep) + hi - lo))
+                    rows = list(range(len(keep), len(keep) + hi - lo))  # consecutive (read as a slice)
                     keep.extend(offset + p - start for p in range(lo, hi))
                     score_rows.append((seq, rows, seq.token_ids[lo + 1 : hi + 1]))
             elif end == seq.num_tokens:

@@ -78,6 +78,21 @@ def test_score_matches_hugging_face_log_softmax(big):
         np.testing.assert_allclose(g.logprobs, h, atol=1e-4, rtol=0)
 
 
+def test_scoring_reads_the_steps_logits_without_copying_them(big, monkeypatch):
+    """A scoring sequence's rows are consecutive: their log-softmax reads a view of the step's logits (a copy of a
+    rolling window's rows over Gemma 3's vocabulary is 537 MB), and the log-probs are unchanged."""
+    contexts, conts = [random_ids(9, seed=7), random_ids(4, seed=8)], [random_ids(6, seed=9), random_ids(3, seed=10)]
+    ref = _hf_logprobs(big.engine.model, contexts, conts)
+    inputs, steps, log_softmax, run = [], [], torch.log_softmax, big.engine.runner.run
+    monkeypatch.setattr(torch, "log_softmax", lambda x, *a, **k: inputs.append(x) or log_softmax(x, *a, **k))
+    monkeypatch.setattr(big.engine.runner, "run", lambda *a, **k: steps.append(run(*a, **k)) or steps[-1])
+    got = big.score(contexts, conts)
+    storage = {out.logits.untyped_storage().data_ptr() for out in steps}
+    assert inputs and all(x.untyped_storage().data_ptr() in storage for x in inputs)  # views, not copies
+    for g, h in zip(got, ref):
+        np.testing.assert_allclose(g.logprobs, h, atol=1e-4, rtol=0)
+
+
 def _hf_logprobs(model, contexts, conts, attn="sdpa"):
     """Log p(cont[i] | ctx, cont[:i]) from Hugging Face's own forward (no kvlab attention)."""
     previous = model.config._attn_implementation

@@ -255,6 +255,27 @@ def test_wikitext_documents_are_the_articles(tmp_path):
     assert [d.splitlines()[0].strip() for d in docs] == ["= First =", "= Second ="] and "= = Sub = =" in docs[0]
 
 
+def test_a_models_tokenizer_is_loaded_once_per_process(monkeypatch, tmp_path):
+    """Every build of a task's data asks for the tokenizer by name (each simple_evaluate, each sweep job): it is
+    loaded once (Gemma 3's took 17 s under load each time)."""
+    import transformers
+
+    import kvlab.models
+    from kvlab.study.lm_eval import local_data
+
+    loads = []
+    monkeypatch.setattr(kvlab.models, "resolve", lambda name: tmp_path)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: loads.append(path) or object())
+    local_data.model_tokenizer.cache_clear()
+    try:
+        first = local_data.model_tokenizer("some-model")
+        assert local_data.model_tokenizer("some-model") is first and loads == [str(tmp_path)]
+        local_data.model_tokenizer("other-model")
+        assert len(loads) == 2
+    finally:
+        local_data.model_tokenizer.cache_clear()  # no stand-in tokenizer outlives the test
+
+
 def test_hydra_task_metric_names_and_checks():
     from kvlab.study.tasks.lm_eval import LmEval, flat_metrics
 

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,12 @@ def load_jsonl(path: Path):
     return datasets.load_dataset("json", data_files={"test": str(path)})
 
 
+@lru_cache(maxsize=8)
 def model_tokenizer(name: str):
     """The tokenizer of a kvlab model name (packaged, folder, .gguf), without loading weights; a
-    ByteTokenizer for random:<shape> models (as the engine encodes text for them)."""
+    ByteTokenizer for random:<shape> models (as the engine encodes text for them). Loaded once per name in a
+    process: every build of a task's data asks again (each simple_evaluate, each job of a sweep), and Gemma 3's
+    33 MB tokenizer.json took 17 s to load on the loaded two cores (the tokenizer is only read)."""
     from kvlab.study.tasks.data import ByteTokenizer
 
     if str(name).startswith("random:"):
