@@ -33,6 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kvlab.study.bench_io import write_results
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"nocache": {}, "reuse": {"reuse_compressed": True}}
 
@@ -109,12 +111,7 @@ def main(argv=None) -> dict:
     agree = {n: agreement(rs[0], reference) for n, rs in runs.items()}
     results = {"command": " ".join(["python experiments/bench_compressed_turns.py", *(argv or [])]) if argv else None,
                "args": vars(args), "rows": rows, "agreement_with_nocache": agree}
-    text = report(results, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    write_results(args.out, results, report(results, args))
     return results
 
 

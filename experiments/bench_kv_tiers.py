@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
+
+from kvlab.study.bench_io import uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -111,19 +112,9 @@ def main(argv=None) -> dict:
     results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
                "uptime_before": uptime_before, "uptime_after": uptime(),
                "args": vars(args), "rows": rows, "answers_identical_to_recompute": identical}
-    text = report(results, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    write_results(args.out, results, report(results, args))
     return results
 
-
-def uptime() -> str:
-    import subprocess
-
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def report(results: dict, args) -> str:

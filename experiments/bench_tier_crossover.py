@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvlab.study.bench_io import uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"recompute": {}, "disk": {"offload": "disk"},
@@ -97,17 +97,9 @@ def main(argv=None) -> dict:
     results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
                "uptime_before": before, "uptime_after": uptime(), "args": vars(args), "page_bytes": page_bytes,
                "rows": rows}
-    text = report(results, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    write_results(args.out, results, report(results, args))
     return results
 
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def report(results: dict, args) -> str:

@@ -12,6 +12,7 @@ report and writes it as `experiments/results/<name>.md` with the figures and the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -76,6 +77,22 @@ def save(out: str | Path, text: str, meta: dict, rows: list[dict]) -> None:
 
     print(text)
     write_report(out, text, {"meta": meta, "rows": rows})
+
+
+def write_results(out: str | Path, results: dict, text: str) -> None:
+    """Print the report and write it as <out>.md, with <out>.json holding `results` as they are."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def uptime() -> str:
+    """`uptime`'s line (the load the run shared the machine with)."""
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def load_average() -> str:
