@@ -4,6 +4,10 @@
 #   POLICIES=snapkv,streaming_llm RATIOS=0.5 LIMIT=20 bash experiments/lm_eval_leaderboard.sh gemma3-270m   # a smaller grid
 # The `full` reference once, then POLICIES x RATIOS (default: six policies x 0.25/0.5/0.75, as the experiment's
 # sweep) on TASKS (default: the experiment's), LIMIT documents per task; finished jobs are skipped on a rerun.
+# METADATA=key=value[,key=value] sets the tasks' data parameters (lm-eval task metadata), e.g. METADATA=num_samples=1 gives
+# kvlab_ruler one sample per subtask (LIMIT would take the first subtask's samples only). Each TASKS / LIMIT /
+# METADATA value is a job set of its own (they are part of a job's config hash); kvlab-report merges their
+# columns per (policy, ratio).
 # THROUGHPUT=1 adds the KV MiB held and tokens/s columns: the policy leaderboard's workload-only sweep (a batch
 # of 16 Azure code-trace requests, conf/experiment/leaderboard.yaml) into the same study, merged by kvlab-report
 # per (policy, ratio). Timing: run it on quiet cores.
@@ -21,6 +25,7 @@ GRID=("policy=${POLICIES:-snapkv,pyramidkv,streaming_llm,tova,knorm,expected_att
 SIZES=()
 [ -n "${LIMIT:-}" ] && SIZES+=("task.limit=${LIMIT}")
 [ -n "${TASKS:-}" ] && SIZES+=("task.tasks=${TASKS}")
+M=${METADATA:-}; for kv in ${M//,/ }; do SIZES+=("+task.metadata.${kv}"); done
 [ -n "${LOGGER:-}" ] && SIZES+=("logger=${LOGGER}")
 COMMON=(experiment=lm_eval_leaderboard "model=${MODEL}" "name=${STUDY}" "${SIZES[@]}")
 status=0

@@ -256,9 +256,33 @@ def leaderboard(runs: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in KEYS if table[k].notna().any()]
     values = [name for _, name, _, _ in scores + COSTS if table[name].notna().any()]
     table[values] = table[values].astype(float)
+    check_one_task_setting(table, task_settings(df), keys, values)
     board = table.groupby(keys, dropna=False, sort=False)[values].median().reset_index()
     board = board.sort_values([k for k in keys], na_position="first", kind="stable")
     return board.reset_index(drop=True)
+
+
+def task_settings(runs: pd.DataFrame) -> list[str]:
+    """Per run, its task's settings (every `task.*` column but the class: the lm-eval task list, the limit,
+    the data's metadata, ...) as one string."""
+    columns = sorted(c for c in runs.columns if str(c).startswith("task.") and c != "task._target_")
+    return ["|".join(f"{c}={run[c]!r}" for c in columns) for _, run in runs.iterrows()]
+
+
+def check_one_task_setting(table: pd.DataFrame, settings: list[str], keys: list[str], values: list[str]) -> None:
+    """A cell's runs may repeat a measurement (timing repeats: their median is the cell), and runs of different
+    task settings may fill different columns of it (lm-eval sweeps of different task lists, merged per policy
+    and ratio), but one column measured under two task settings (e.g. kvlab_niah with 10 and with 100
+    documents) has no single value: refused, naming the cell, rather than a median of two samples."""
+    table = table.assign(_setting=settings)
+    for cell, group in table.groupby(keys, dropna=False, sort=False):
+        for name in values:
+            measured = group.loc[group[name].notna(), "_setting"].unique()
+            if len(measured) > 1:
+                raise ValueError(
+                    f"leaderboard: {name!r} of {dict(zip(keys, cell))} was measured by runs of different task "
+                    f"settings ({' vs '.join(measured[:2])}); keep one of them in the sweep folder (move the "
+                    f"other runs out) or report them apart")
 
 
 def merge_tasks(board: pd.DataFrame) -> pd.DataFrame | None:

@@ -177,8 +177,15 @@ def wandb_target(runs: pd.DataFrame) -> dict | None:
     if used.empty or (used.get("logger.mode") == "disabled").all():
         return None
     first = used.iloc[0]
-    return {"project": first.get("logger.project") or "kvlab", "entity": first.get("logger.entity"),
-            "group": first.get("logger.group"), "mode": first.get("logger.mode") or "offline"}
+    return {"project": _text(first.get("logger.project")) or "kvlab", "entity": _text(first.get("logger.entity")),
+            "group": _text(first.get("logger.group")), "mode": _text(first.get("logger.mode")) or "offline"}
+
+
+def _text(value) -> str | None:
+    """A logger setting read back from the runs' table: the string, or None where it was unset. A study that
+    mixes W&B runs with runs of another logger (a workload sweep with W&B beside lm-eval sweeps with
+    logger=none) reads the unset `logger.entity` back as NaN, which W&B's settings refuse (not a string)."""
+    return value if isinstance(value, str) and value else None
 
 
 def log_wandb(report: Report, target: dict, out: Path) -> str:

@@ -234,3 +234,75 @@ def test_a_study_of_one_sweep_per_task_merges_into_one_row_per_policy_and_ratio(
     assert report.merged["tokens/s"].notna().all()
     assert (tmp_path / "out" / "pareto_kv_bytes_perplexity.png").exists()
     assert "One row per policy and ratio" in (tmp_path / "out" / "leaderboard.md").read_text()
+
+
+def test_a_mixed_studys_unset_wandb_settings_read_back_as_none():
+    """A W&B sweep beside logger=none sweeps in one folder (experiments/lm_eval_leaderboard.sh with THROUGHPUT=1):
+    the runs' table reads the W&B runs' unset entity back as NaN, which wandb.init refused (issue 26)."""
+    from kvlab.study.report import wandb_target
+
+    runs = pd.DataFrame([{"logger": None},  # an lm-eval job, logger=none: no logger.* keys at all
+                         {"logger._target_": "kvlab.study.loggers.wandb_run.WandbLogger", "logger.project": "kvlab",
+                          "logger.entity": None, "logger.group": "study", "logger.mode": "offline"}])
+    assert runs["logger.entity"].isna().all()  # NaN, not None, once a run lacks the key
+    assert wandb_target(runs) == {"project": "kvlab", "entity": None, "group": "study", "mode": "offline"}
+    assert wandb_target(runs.drop(columns=["logger.group", "logger.project"]))["group"] is None
+
+
+@pytest.mark.heavy  # ~15 s on quiet cores, 90 s at load 12; the fast test above guards the same NaN
+def test_kvlab_report_logs_an_offline_table_for_a_study_mixing_wandb_and_no_logger(sweep, tmp_path):
+    """The tiny sweep (logger=none) plus one random:llama-tiny job that logged to W&B offline, in one folder:
+    `kvlab-report` (W&B on automatically, the study's entity unset) writes its files and the offline table."""
+    import json
+    import shutil
+
+    study = tmp_path / "study"
+    shutil.copytree(sweep, study)
+    out = subprocess.run(kvlab_cmd("-m", "model=random-llama-tiny", "task=none", "workload=shared-prefix",
+                                   "workload.num_requests=2", "workload.prefix_length=48", "workload.suffix_length=32",
+                                   "workload.max_tokens=2", "engine.kv_cache_memory=4MiB", "progress=false",
+                                   "logger=wandb", "logger.mode=offline", "policy=full", f"hydra.sweep.dir={study}"),
+                         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = tmp_path / "report"
+    out = subprocess.run([sys.executable, "-m", "kvlab.study.report", str(study), "--out", str(report)],
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "logged the leaderboard to W&B (offline)" in out.stdout
+    assert {"leaderboard.md", "leaderboard.csv", "leaderboard.html"} <= {p.name for p in report.iterdir()}
+    [table] = report.glob("wandb/offline-run-*/files/media/table/leaderboard_*.table.json")
+    assert "none" in [row[0] for row in json.loads(table.read_text())["data"]]  # the W&B job's row (dataset none)
+
+
+def lm_eval_run(tasks: tuple, limit: float, method: str, ratio: float, **metrics: float) -> dict:
+    """A finished lm-eval run's row as load_runs gives it (task=lm_eval, one task list and limit)."""
+    return {"status": "finished", "policy.name": method, "model.name": "m", "policy.compression_ratio": ratio,
+            "task._target_": "kvlab.study.tasks.lm_eval.LmEval", "task.tasks": tasks, "task.limit": limit,
+            **{f"lm_eval/{k.replace('__', '/')}": v for k, v in metrics.items()}}
+
+
+def test_lm_eval_sweeps_of_different_task_lists_merge_per_policy_and_ratio():
+    """Each TASKS value of experiments/lm_eval_leaderboard.sh is a job set of its own (task.tasks is in the config
+    hash); the leaderboard puts their columns in one row per (policy, ratio), each column from its own run."""
+    runs = pd.DataFrame([
+        lm_eval_run(("kvlab_niah",), 10, "full", 0.0, kvlab_niah__acc=1.0),
+        lm_eval_run(("kvlab_niah",), 10, "snapkv", 0.5, kvlab_niah__acc=0.2),
+        lm_eval_run(("kvlab_ruler",), 5, "full", 0.0, kvlab_ruler__score=0.9),
+        lm_eval_run(("kvlab_ruler",), 5, "snapkv", 0.5, kvlab_ruler__score=0.4),
+        lm_eval_run(("kvlab_wikitext2",), 3, "snapkv", 0.5, kvlab_wikitext2__word_perplexity=40.0)])
+    board = leaderboard(runs)
+    assert list(board["method"]) == ["full", "snapkv"]
+    assert board[["lm-eval kvlab_niah/acc", "lm-eval kvlab_ruler/score"]].values.tolist() == [[1.0, 0.9], [0.2, 0.4]]
+    assert board["lm-eval kvlab_wikitext2/word_perplexity"].tolist()[1] == 40.0
+
+
+def test_one_column_measured_under_two_task_settings_is_refused():
+    """Two samples of one task in one study (kvlab_niah on 10 and on 100 documents) have no single value: the
+    leaderboard names the cell instead of reporting their median; repeats of one setting still give a median."""
+    runs = pd.DataFrame([lm_eval_run(("kvlab_niah",), 10, "snapkv", 0.5, kvlab_niah__acc=0.2),
+                         lm_eval_run(("kvlab_niah",), 100, "snapkv", 0.5, kvlab_niah__acc=0.6)])
+    with pytest.raises(ValueError, match="kvlab_niah/acc.*snapkv.*different task settings"):
+        leaderboard(runs)
+    repeats = pd.concat([runs.iloc[[0]]] * 3, ignore_index=True)
+    repeats["lm_eval/kvlab_niah/acc"] = [0.2, 0.3, 0.9]
+    assert leaderboard(repeats)["lm-eval kvlab_niah/acc"].tolist() == [0.3]
