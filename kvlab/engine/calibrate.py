@@ -5,8 +5,8 @@
 Each forward runs one throwaway sequence of token 0s through the model runner on fresh pool pages, with the
 prefix cache set aside (nothing is looked up or registered, nothing is evicted: the pool is empty) and freed
 after; the pool, the prefix cache and the engine's metrics are as before. One warm-up forward is not counted.
-Skipped with a compressing policy or a draft (their per-sequence state hears of every sequence); a size that does
-not fit a step is skipped, one that does not fit the pool halved until it does.
+Skipped with a compressing policy or a draft (their per-sequence state hears of every sequence); a size beyond a step is cut to
+the step's budget, one that does not fit the pool halved until it does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def calibrate_compute(engine) -> int:
     if not sizes or engine.compressor is not None or engine.speculator is not None:
         return 0
     bm, limit = engine.block_manager, engine.scheduler.max_num_batched_tokens
-    sizes = [n for n in sizes if 0 < n <= min(limit, engine.max_model_len - 1)]
+    sizes = [min(n, limit, engine.max_model_len - 1) for n in sizes if n > 0]
     told = 0
     saved, bm.allocator.prefix_cache = bm.allocator.prefix_cache, None  # set aside: nothing looked up or registered
     try:

@@ -9,6 +9,7 @@ flight removes every file. Writes are held in flight here by a gate on the worke
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -75,14 +76,18 @@ def test_a_page_dropped_while_its_write_is_in_flight_leaves_no_file(tmp_path, ga
     tier.close()
 
 
-def test_close_with_writes_in_flight_removes_every_file(tmp_path, gate):
+@pytest.mark.parametrize("made", [True, False])
+def test_close_with_writes_in_flight_removes_every_file(tmp_path, gate, made):
     folder = tmp_path / "t"
+    if not made:
+        folder.mkdir()  # the user's folder: emptied, kept
     tier = DiskTier(8, ROW, str(folder))
     for i in range(6):
         tier.put(i, lambda r, i=i: r.copy_(row(i)))
     threading.Timer(0.2, gate.set).start()  # the write already running finishes during close
     tier.close()
-    assert not folder.exists()
+    time.sleep(0.3)  # a write that outlived close would have landed by now
+    assert not folder.exists() if made else not list(folder.iterdir())
 
 
 def test_writes_in_flight_are_bounded(tmp_path, gate):

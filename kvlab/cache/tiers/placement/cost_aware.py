@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlab.cache.tiers.placement import cost_model
+import kvlab.cache.tiers.placement.cost_model as cost_model
 from kvlab.cache.tiers.placement.base import Key
 from kvlab.cache.tiers.placement.cost_model import Rates, fit, median, theil_sen  # noqa: F401 (fit: re-exported)
 from kvlab.cache.tiers.placement.lru import LRUPlacement
