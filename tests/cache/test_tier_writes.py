@@ -24,10 +24,11 @@ ROW = 256
 @pytest.fixture
 def gate(monkeypatch):
     """Writes on the worker wait until `gate.set()` (at most 10 s: a test that forgets cannot hang)."""
-    opened = threading.Event()
+    opened, opened.entered = threading.Event(), threading.Event()  # entered: a write is running, held
     real = disk.write_row
 
     def gated(file, buf):
+        opened.entered.set()
         opened.wait(10)
         real(file, buf)
 
@@ -58,14 +59,16 @@ def test_a_page_being_written_is_held_ready_and_read_from_its_row(tmp_path, gate
 
 def test_a_page_dropped_while_its_write_is_in_flight_leaves_no_file(tmp_path, gate):
     tier = DiskTier(4, ROW, str(tmp_path / "t"))
-    for i, key in enumerate("abc"):
+    for i, key in enumerate("abcd"):
         tier.put(key, lambda r, i=i: r.copy_(row(i)))
-    tier.drop("b")
+    assert gate.entered.wait(10)  # a's write is running: it cannot be cancelled, its file goes after it
+    tier.drop("a")
+    tier.drop("b")  # b's write has not started: cancelled
     tier.put("c", lambda r: r.copy_(row(9)))  # put again: the first write of c is superseded
     gate.set()
     tier.flush()
     tier.writer.shutdown(wait=True)
-    assert sorted(tier.files) == ["a", "c"] and len(list(tier.folder.glob("*.page"))) == 2
+    assert sorted(tier.files) == ["c", "d"] and len(list(tier.folder.glob("*.page"))) == 2
     got = torch.empty((1, ROW), dtype=torch.uint8)
     tier.start_read("c")
     while not tier.ready("c"):
