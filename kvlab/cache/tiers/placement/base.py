@@ -20,8 +20,9 @@ pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are nu
     observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds (the reads' wall time included)
     observe_demote(tier, n, s)     `n` pages went down to `tier` in `s` seconds (what the step paid: a row copy,
                                    and the file write where the tier does not write behind)
-    compute_sizes() -> sizes       prompt lengths the engine times forwards of at start (calibration; default none),
-    observe_calibration(tokens, s)  each told here
+    compute_sizes() -> sizes       the next round of prompt lengths the engine times forwards of at start, asked
+                                   until it is empty (calibration; default none), each told to
+    observe_calibration(tokens, s)
 
 Keys are stable per (prefix-cache node, layer group): a block that goes down, comes back and goes down
 again keeps its key, so a policy can learn how often it returns.

@@ -8,9 +8,9 @@ that costs less than recomputing the tokens they hold (a restore's fixed latency
 included, makes the crossover), else the hit stops before them and they are recomputed.
 
 With `measured` (the default) the rates are the engine's own: the recompute rate is the slope of a Theil-Sen
-line through (tokens, forward seconds) of the engine's start-up calibration (`compute_sizes`: forwards of
-`block_size` and max(8 x `block_size`, 64) tokens, `calibration_repeats` times, timed before any request) and its recent
-steps, so a step's fixed cost does not count and one slow step does not swing it; each tier's latency and
+line through (tokens, forward seconds) of the engine's start-up calibration (`compute_sizes`: rounds of forwards
+of `block_size` and max(8 x `block_size`, 64) tokens timed before any request, at least `calibration_repeats`, more
+while within `calibration_budget_s`) and its recent steps, so a step's fixed cost does not count and one slow step does not swing it; each tier's latency and
 per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, then every real
 restore: the copy and the wall time of its reads ahead), its demotion cost the median of the last ones. The
 parameters below are the priors used until there are samples. A full tier's victim is its least recently
@@ -45,7 +45,9 @@ class CostAwarePlacement(LRUPlacement):
     disk_latency_s: float = 2e-3  # prior: fixed cost of a restore from the disk tier (a read ahead's round trip)
     margin: float = 1.0  # restore only when it is this many times cheaper than recomputing
     measured: bool = True  # replace the priors by the engine's observed rates
-    calibration_repeats: int = 3  # start-up forwards timed per size (0: learn from the engine's steps only)
+    calibration_repeats: int = 3  # start-up rounds of forwards timed at least (0 with calibration_rounds=0: none)
+    calibration_rounds: int = 30  # ... at most, while within calibration_budget_s
+    calibration_budget_s: float = 0.1  # seconds of start-up forwards beyond the first calibration_repeats rounds
     samples: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of (pages, seconds)
     demotes: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of seconds per page
     compute: deque = field(default_factory=lambda: deque(maxlen=32), init=False, repr=False)  # (tokens, seconds)
@@ -56,7 +58,8 @@ class CostAwarePlacement(LRUPlacement):
         for name in ("host_bytes_per_s", "disk_bytes_per_s", "prefill_tokens_per_s", "margin"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cost_aware.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("host_latency_s", "disk_latency_s", "calibration_repeats"):
+        for name in ("host_latency_s", "disk_latency_s", "calibration_repeats", "calibration_rounds",
+                     "calibration_budget_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost_aware.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -124,9 +127,15 @@ class CostAwarePlacement(LRUPlacement):
 
     # -- what the engine tells it ----------------------------------------------------
     def compute_sizes(self) -> tuple[int, ...]:
-        if not (self.measured and self.calibration_repeats):
+        """The next calibration round: a short and a long forward, while fewer than `calibration_repeats` rounds
+        were timed, or fewer than `calibration_rounds` within `calibration_budget_s` (cheap models get more
+        rounds: their millisecond forwards are noisy)."""
+        rounds = len(self.calibration) // 2
+        spent = sum(s for _, s in self.calibration)
+        if not self.measured or rounds >= self.calibration_rounds or (
+                rounds >= self.calibration_repeats and spent >= self.calibration_budget_s):
             return ()
-        return tuple(n for _ in range(self.calibration_repeats) for n in (self.block_size, max(8 * self.block_size, 64)))
+        return self.block_size, max(8 * self.block_size, 64)
 
     def observe_calibration(self, tokens: int, seconds: float) -> None:
         """A start-up forward of `tokens` tokens took `seconds` (kept: the steady part of the compute fit)."""
