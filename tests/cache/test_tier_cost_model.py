@@ -55,6 +55,16 @@ def test_one_slow_step_does_not_swing_the_recompute_rate():
     assert cm.fit([*p.compute])[1] > 2e-4  # a least-squares slope doubles
 
 
+def test_the_calibration_rate_is_the_fastest_forward_of_each_size():
+    p = placement()
+    for slow_short, slow_long in ((1, 3), (30, 1), (2, 5)):  # a loaded machine slows some forwards down
+        p.observe_calibration(16, slow_short * (0.002 + 16 * 1e-4))
+        p.observe_calibration(128, slow_long * (0.002 + 128 * 1e-4))
+    for n in (4, 64, 4, 64):
+        p.observe_compute(n, 0.5)  # noisy steps do not move a calibrated rate
+    assert p.tokens_per_s() == pytest.approx(1e4)
+
+
 def test_a_token_costing_nothing_measurable_makes_restoring_never_pay():
     p = placement(prefill_tokens_per_s=10.0)  # a prior that would make every restore pay
     for n in (4, 16, 64, 4, 16, 64):

@@ -7,10 +7,12 @@ is, it is dropped. And when a hit would take pages back from the tiers (`restore
 that costs less than recomputing the tokens they hold (a restore's fixed latency, the reads ahead waited for
 included, makes the crossover), else the hit stops before them and they are recomputed.
 
-With `measured` (the default) the rates are the engine's own: the recompute rate is the slope of a Theil-Sen
-line through (tokens, forward seconds) of the engine's start-up calibration (`compute_sizes`: rounds of forwards
+With `measured` (the default) the rates are the engine's own: the recompute rate is the slope of the line
+through the fastest forward of each size (noise on a shared machine only ever adds time) of the engine's start-up
+calibration (`compute_sizes`: rounds of forwards
 of `block_size` and max(8 x `block_size`, 64) tokens timed before any request, at least `calibration_repeats`, more
-while within `calibration_budget_s`) and its recent steps, so a step's fixed cost does not count and one slow step does not swing it; each tier's latency and
+while within `calibration_budget_s`), or without one a Theil-Sen line through its recent steps, so a step's fixed
+cost does not count and one slow step does not swing it; each tier's latency and
 per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, then every real
 restore: the copy and the wall time of its reads ahead), its demotion cost the median of the last ones. The
 parameters below are the priors used until there are samples. A full tier's victim is its least recently
@@ -89,11 +91,12 @@ class CostAwarePlacement(LRUPlacement):
         return median(list(obs)) if self.measured and obs else 0.0
 
     def tokens_per_s(self) -> float:
-        """The marginal recompute rate: the slope of the calibration's and the observed steps' line (the prior
-        until it exists); a slope not above `MIN_PER_TOKEN_S` (a token costs nothing measurable beyond the
+        """The marginal recompute rate: the slope of the line through the fastest calibration forward of each
+        size (a shared machine's noise only ever adds time), else of the observed steps' Theil-Sen line (the prior
+        until either exists); a slope not above `MIN_PER_TOKEN_S` (a token costs nothing measurable beyond the
         step's fixed cost) counts as that floor: recomputing is then all but free."""
         if "compute" not in self._cache:
-            line = theil_sen([*self.calibration, *self.compute]) if self.measured else None
+            line = cost_model.floor_line(self.calibration) or theil_sen(self.compute) if self.measured else None
             self._cache["compute"] = 1 / max(line[1], MIN_PER_TOKEN_S) if line is not None else self.prefill_tokens_per_s
         return self._cache["compute"]
 

@@ -12,9 +12,11 @@ all (`worth`): a page kept in a tier costs its demotion (`demote_s`: a row copy 
 file write when it does not) plus its restore, against recomputing its tokens. `crossover_tokens` is the history
 length above which restoring wins.
 
-Rates are fitted robustly (`theil_sen`: the median of the pairwise slopes, so one step slowed down by a neighbour
-on a shared machine does not swing the rate; the intercept the median of the residuals, floored at 0) through the
-engine's observed (tokens, seconds) steps and its start-up calibration, and (pages, seconds) restores.
+Rates are fitted robustly: the recompute rate through the fastest start-up calibration forward of each size
+(`floor_line`: repeated identical forwards, where a shared machine's noise only adds time), else through the
+engine's observed (tokens, seconds) steps by `theil_sen` (the median of the pairwise slopes, so one step slowed
+down by a neighbour does not swing the rate; the intercept the median of the residuals, floored at 0), as are
+the (pages, seconds) restores.
 In the spirit of LMCache's and Mooncake's store-vs-recompute trade-off (Cheng et al. 2024, arXiv:2409.13761;
 Qin et al. 2024, arXiv:2407.00079).
 """
@@ -77,6 +79,20 @@ def theil_sen(points) -> tuple[float, float] | None:
         return None
     slope = max(median(slopes), 0.0)
     return max(median([y - slope * x for x, y in points]), 0.0), slope
+
+
+def floor_line(points) -> tuple[float, float] | None:
+    """(intercept >= 0, slope >= 0) of the line through the fastest y at the smallest and the largest x: timings
+    of identical work repeated, where noise only ever adds time (the minimum is the steady estimate); None
+    unless two x differ."""
+    points = list(points)
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return None
+    lo, hi = min(xs), max(xs)
+    y_lo, y_hi = min(y for x, y in points if x == lo), min(y for x, y in points if x == hi)
+    slope = max((y_hi - y_lo) / (hi - lo), 0.0)
+    return max(y_lo - slope * lo, 0.0), slope
 
 
 def fit(points) -> tuple[float, float] | None:
