@@ -134,12 +134,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
             lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
                       f"shared copy-on-write, which only allocator='paged' does"),
-    Refusal("per-head budgets with accumulated attention statistics",
-            "the statistics are gathered per layer (a per-head table's overwrite each other); no built-in reaches "
-            "it: adakv refuses a scorer with accumulated statistics",
-            lambda c: c.compacts and c.head_budgets and c.accumulated_attention,
-            lambda c: f"policy {c.policy!r}: per-head budgets cannot use accumulated attention statistics yet (the "
-                      f"statistics are gathered per layer)"),
 ]
 
 

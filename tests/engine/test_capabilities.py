@@ -30,9 +30,6 @@ CASES = {
                                                                dict(reuse_compressed=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "per-head budgets with accumulated attention statistics": (
-        dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
-        dict(policy="adakv", policy_args={"compression_ratio": 0.5})),
 }
 UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
     "sparse reading with accumulated attention statistics",
@@ -44,7 +41,6 @@ UNREACHABLE = {  # no built-in plugin has the combination: the predicate is chec
 def plugins():
     from kvlab.cache.allocators.base import Allocator
     from kvlab.cache.allocators.paged import PagedAllocator
-    from kvlab.policies.h2o import H2O
     from kvlab.policies.snapkv import SnapKV
     from kvlab.registry import ALLOCATORS, POLICIES
 
@@ -57,13 +53,8 @@ def plugins():
         def select(self, scores, budget):  # no `protected`
             return super().select(scores, budget)
 
-    @POLICIES.register("test-per-head-h2o")
-    class PerHeadH2O(H2O):
-        head_budgets = True
-
     yield
-    for registry, name in ((ALLOCATORS, "test-cannot-compact"), (POLICIES, "test-unprotecting"),
-                           (POLICIES, "test-per-head-h2o")):
+    for registry, name in ((ALLOCATORS, "test-cannot-compact"), (POLICIES, "test-unprotecting")):
         registry._classes.pop(name, None)
 
 
