@@ -34,6 +34,11 @@ applies to the rest, so they stay in place, shared. Pages a sequence computed it
 as without caching: the allocator copies their survivors into fresh pages and leaves the cached
 originals findable. The block manager stops registering a sequence once it was compacted.
 
+A policy ranking keys by accumulated attention (H2O) reads running totals kept per table (`_mass[seq][group]`,
+[cached, the group's KV heads]), as the attention layers return them (`stats[group]`): a layer's, or with
+per-head budgets (adakv) each (layer, KV head)'s, so each head's totals cover exactly the tokens it holds and
+follow them through its own compaction.
+
 With kept compressed turns (EngineConfig.reuse_compressed, kvlab/cache/kept_turns.py) a policy ranking keys
 by accumulated attention goes on accumulating after a sequence's last compression, so that when it
 finishes its totals for the kept keys (`turn_state`) are kept with its tables; a request admitted onto
