@@ -11,8 +11,9 @@ query heads paid each key it holds, kvlab.policies.compressor), so each head kee
 ranks first, and a head's totals follow the tokens it keeps.
 
 kvpress masks the evicted keys of each head (its docstring: this "does not reduce peak memory"); here every
-(layer, KV head) has a table of its own (`head_budgets`), so each head's evicted tokens free their pages. Compresses once, at the end of prefill (as the paper and kvpress do):
-after that the heads hold different numbers of tokens.
+(layer, KV head) has a table of its own (`head_budgets`), so each head's evicted tokens free their pages.
+Compresses once, at the end of prefill (as the paper and kvpress do): after that the heads hold different
+numbers of tokens.
 """
 
 from __future__ import annotations

@@ -309,7 +309,8 @@ class Compressor:
         keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
         protected = min(self.bm.protected_slots(seq, g) for g in groups)
         stats = torch.cat([mass[g] for g in groups], dim=1) if all(g in mass for g in groups) else None  # [L, Hkv]
-        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), stats, **_protect(protected))
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), stats,
+                                  **_protect(protected))
         if keep is None:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)

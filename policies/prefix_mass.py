@@ -8,8 +8,9 @@ those queries paid. This store keeps, per prefix-cache node (the block ending at
     mass[group]: [b, its KV heads] float32 = what the queries at positions < b paid the keys at positions < b
 
 (one entry per table: a layer's, or with per-head budgets one (layer, KV head)'s; a KV head's mass is what its
-query heads paid, summed as the compressor sums it: step by step), so a hit of b tokens starts its accumulators from exactly
-what a recompute of those b tokens would have accumulated; queries after the prefix add theirs as usual.
+query heads paid, summed as the compressor sums it: step by step), so a hit of b tokens starts its accumulators
+from exactly what a recompute of those b tokens would have accumulated; queries after the prefix add theirs as
+usual.
 
 Who writes, reads and drops it (the compressor wires it; the block manager and prefix index stay torch-free):
 - `put`: the compressor, after a step that ends on a page boundary of a sequence still registering its pages

@@ -27,7 +27,7 @@ class StepOutput:
     sample_rows: list[tuple[Sequence, int]]  # sequences that sample a token, and their logits row
     score_rows: list[tuple[Sequence, list[int], list[int]]]  # scoring: (seq, rows, target token ids)
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> per seq [W, Hq, D]
-    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, its KV heads, max cached] attention mass
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, its KV heads, max cached] mass
     verify_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # drafted: (seq, k + 1 rows)
 
 
