@@ -6,7 +6,7 @@ its own accumulated mass ranks first: here against a torch reference that sums e
 every prompt query and each KV head's query heads, and writes AdaKV's selection out (each head's safeguard,
 then the best (head, token) pairs of the layer). Each head's totals follow its kept tokens. The combination
 keeps the contract with batching, chunking, preemption, samples, drafts and prefix caching
-(kvlab.testing.check_combination, heavy: ~1-2 min each on two shared cores).
+(kvlab.testing.check_combination, heavy: ~10-30 s each on two shared cores once warm).
 """
 
 from __future__ import annotations
