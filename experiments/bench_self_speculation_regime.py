@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -181,8 +182,16 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
     def build(key):
         label, name, dargs = draft_spec(args, key) if key else ("plain", None, {})
         memory = args.kv_memory or pool_bytes(args, key, dargs, ctx, batch, prompt, per_token, shared)
+        if name == "self_compressed":
+            dargs = {**dargs, "max_batch": min(max(batch, 1), 32)}  # the copy's slots: one a sequence
         draft = dict(draft=name, draft_args=dargs) if name else {}
-        return label, LLM(args.model, loaded=loaded, kv_cache_memory=memory, **draft, **engine)
+        try:
+            return label, LLM(args.model, loaded=loaded, kv_cache_memory=memory, **draft, **engine)
+        except ValueError as e:  # a copied view's slots took more than estimated: the pool plus what they take
+            found = re.search(r"after the draft's view copy \((\d+) bytes\)", str(e))
+            if found is None or args.kv_memory:
+                raise
+            return label, LLM(args.model, loaded=loaded, kv_cache_memory=memory + int(found.group(1)), **draft, **engine)
 
     _, plain = build(None)
     specs = [build(k) for k in kvlab_keys]
@@ -236,7 +245,10 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
         hf = hf_rows(args, dtype, ctx, ps[0], base_out[0] if base_out else None, hf_keys, plain_tok_s)
         for row in hf:
             row["load"] = f"{load_end:.1f}/{os.getloadavg()[0]:.1f}"
+    from kvlab.engine.linear_backend import backend_of
+
     return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": hf, "skipped": skipped,
+            "linear_backend": backend_of(loaded.model),
             "prompt_tokens": prompt, "workload": args.workload, "prefix_hit_rate_tokens": hit,
             "weight_bytes": target.weight_bytes(), "kv_bytes_per_token": sum(target.kv_bytes_per_token)}
 
