@@ -215,6 +215,9 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
                                 "identical": out == base_out})
             log(f"cell {dtype},{ctx},{batch} round {r}: plain {base['decode_tok_s']:.2f} tok/s, {label} "
                 f"{sp['decode_tok_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}, identical {out == base_out}")
+        partial = cell_file(args, dtype, ctx, batch).with_suffix(".partial")  # the rounds so far, should a cell
+        partial.parent.mkdir(parents=True, exist_ok=True)  # be stopped before its end (removed at the end)
+        partial.write_text(json.dumps({"rounds": r + 1, "runs": runs, "load": os.getloadavg()[0]}, indent=1))
     target = target_traffic(plain.engine)
     c = prompt + args.max_tokens / 2
     t_plain = target.pass_bytes(batch, c)
@@ -393,6 +396,7 @@ def main(argv=None) -> dict | None:
         from kvlab.study.loggers.local import to_json
 
         path.write_text(json.dumps(to_json(result), indent=2))
+        path.with_suffix(".partial").unlink(missing_ok=True)
         log(f"wrote {path}")
         return result
     if args.all:
