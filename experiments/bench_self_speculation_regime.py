@@ -338,19 +338,49 @@ def run_all(args) -> None:
                         *passthrough(args)], check=True)
 
 
+def partial_cell(path: Path, finished: list[dict]) -> dict:
+    """A cell stopped before its end, from its .partial file: the medians of its finished rounds, no prediction
+    (it needs the built engines), KV/W from a finished cell of the same dtype (the same model), if any."""
+    dtype, ctx, batch = path.stem.split("_")
+    ctx, batch = int(ctx), int(batch)
+    saved = json.loads(path.read_text())
+    same = [d for d in finished if d["dtype"] == dtype]
+    rows = []
+    for label, rs in saved["runs"].items():
+        if not rs:
+            continue
+        row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": f"{label} [{len(rs)} round(s), cell stopped]",
+               "runs": rs, "load": f"-/{saved['load']:.1f}", "predicted": None,
+               "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
+        for key in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len"):
+            row[key] = statistics.median(x[key] for x in rs)
+        row["drafted_len"] = rs[-1]["drafted"] / max(rs[-1]["verifications"], 1)
+        if same:  # prompt = ctx + the suffix; KV/W at the mean context during decoding
+            d = same[0]
+            c = d["prompt_tokens"] - d["ctx"] + ctx + (d.get("max_tokens") or 24) / 2
+            row["kv_over_weights"] = batch * c * d["kv_bytes_per_token"] / d["weight_bytes"]
+        rows.append(row)
+    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": [], "skipped": [],
+            "command": f"(stopped) {saved.get('command', '')}".strip(), "model": finished[0]["model"] if finished else "",
+            "weight_bytes": same[0]["weight_bytes"] if same else 0, "kv_bytes_per_token": same[0]["kv_bytes_per_token"]
+            if same else 0, "workload": same[0].get("workload") if same else None}
+
+
 def aggregate(args) -> str:
     from kvlab.study.loggers.local import write_report
 
     meta = metadata(args)
     found = sorted(Path(f"{args.out}.cells").glob("*.json"))
     data = [json.loads(p.read_text()) for p in found]
+    data += [partial_cell(p, data) for p in sorted(Path(f"{args.out}.cells").glob("*.partial"))
+             if not p.with_suffix(".json").exists()]
     data.sort(key=lambda d: (list(DTYPES).index(d["dtype"]), d["ctx"], d["batch"]))
     rows = [r for d in data for r in d["rows"]]
     hf = [r for d in data for r in d.get("hf", [])]
     skipped = [f"{d['dtype']},{d['ctx']},{d['batch']}: {', '.join(d['skipped'])}" for d in data if d.get("skipped")]
     commands = sorted({d["command"] for d in data})
     weights = "; ".join(sorted({f"{d['dtype']}: weights {d['weight_bytes'] / 1e6:.0f} MB, KV "
-                                f"{d['kv_bytes_per_token'] / 1e3:.1f} kB a token" for d in data}))
+                                f"{d['kv_bytes_per_token'] / 1e3:.1f} kB a token" for d in data if d["weight_bytes"]}))
     workloads = sorted({d.get("workload", "distinct") for d in data})
     text = "\n".join([
         f"# The regime map: self-speculation, layerskip, a draft model and prompt lookup against plain decoding on "
