@@ -353,8 +353,10 @@ def partial_cell(path: Path, finished: list[dict]) -> dict:
                "runs": rs, "load": f"-/{saved['load']:.1f}", "predicted": None,
                "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
         for key in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len"):
-            row[key] = statistics.median(x[key] for x in rs)
-        row["drafted_len"] = rs[-1]["drafted"] / max(rs[-1]["verifications"], 1)
+            got = [x[key] for x in rs if x.get(key) is not None]
+            row[key] = statistics.median(got) if got else None
+        last = rs[-1]
+        row["drafted_len"] = last["drafted"] / max(last["verifications"], 1) if last.get("verifications") else None
         if same:  # prompt = ctx + the suffix; KV/W at the mean context during decoding
             d = same[0]
             c = d["prompt_tokens"] - d["ctx"] + ctx + (d.get("max_tokens") or 24) / 2
