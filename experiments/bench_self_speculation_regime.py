@@ -339,8 +339,9 @@ def run_all(args) -> None:
 
 
 def partial_cell(path: Path, finished: list[dict]) -> dict:
-    """A cell stopped before its end, from its .partial file: the medians of its finished rounds, no prediction
-    (it needs the built engines), KV/W from a finished cell of the same dtype (the same model), if any."""
+    """A cell stopped before its end, from its .partial file: the medians of its finished rounds, a prediction only
+    where one was added to the file by hand (it needs the built engines), KV/W from a finished cell of the same
+    dtype (the same model), if any."""
     dtype, ctx, batch = path.stem.split("_")
     ctx, batch = int(ctx), int(batch)
     saved = json.loads(path.read_text())
@@ -350,7 +351,7 @@ def partial_cell(path: Path, finished: list[dict]) -> dict:
         if not rs:
             continue
         row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": f"{label} [{len(rs)} round(s), cell stopped]",
-               "runs": rs, "load": f"-/{saved['load']:.1f}", "predicted": None,
+               "runs": rs, "load": f"-/{saved['load']:.1f}", "predicted": saved.get("predicted", {}).get(label),
                "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
         for key in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len"):
             got = [x[key] for x in rs if x.get(key) is not None]
