@@ -1,21 +1,34 @@
 """The regime map: where self-speculation pays. Speed-up over plain decoding of the target drafting for itself
-through a StreamingLLM view of its own cache (`self_compressed`, MagicDec / TriForce) and of prompt lookup
-(`ngram`), over a grid of dtype x context length x batch, each beside what memory traffic predicts
-(kvlab/speculation/cost_model.py, bytes read off the built engine by kvlab/speculation/engine_traffic.py).
+through a compressed view of its own cache (`self_compressed`, MagicDec / TriForce / QuantSpec: a StreamingLLM page
+view, a SnapKV token view, an int4-stored view), of its early exit (`layerskip`), of a separate draft model
+(`model`) and of prompt lookup (`ngram`), over a grid of dtype x context length x batch, each beside what memory
+traffic predicts (kvlab/speculation/cost_model.py, bytes read off the built engine by
+kvlab/speculation/engine_traffic.py); at batch 1 also Hugging Face's assisted generation (`assistant_early_exit`,
+prompt lookup) against Hugging Face's plain `generate` in the same cell.
 
-One cell (`--cell dtype,ctx,batch`) builds one engine per decoder (plain, each draft) with prefix caching on,
-prefills the batch's prompts once per engine (untimed warm-up: the timed runs then hit the cached pages and compute
-only their last partial page), then alternates timed runs of plain and each draft, `--repeats` times. Decode speed
-is batch / median time per output token (TPOT: prefill excluded), greedy, EOS ignored; outputs must be
-token-identical to plain decoding. Prompts are `ctx`-token windows of Paul Graham's essays ($KVLAB_DATA); a
-`random:` model gets random tokens. The prediction is S = E * T(B, c) / (k * D(B, c) + T(B, c + k)) with the
-measured tokens per verification E, drafted tokens per verification k, and c = ctx + max_tokens / 2, corrected for
-the steps that verified nothing (`run_speedup`); `KV/W` is the target pass's KV bytes over its weight bytes.
+One cell (`--cell dtype,ctx,batch`) loads the model once (every engine of the cell shares its modules), builds one
+engine per decoder (plain, each draft), all with `linear_backend` (default `cpu`: kvlab's small-batch linear kernel)
+and the default decode attention (kvlab's native kernel on CPU), prefix caching on, then alternates timed runs of
+plain and each draft, `--repeats` times. Decode speed is batch / median time per output token (TPOT: prefill
+excluded), greedy, EOS ignored; fp32 outputs must be token-identical to plain decoding.
 
-    python experiments/bench_self_speculation_regime.py --cell fp32,512,1             # one cell -> <out>.cells/
-    python experiments/bench_self_speculation_regime.py --all                           # every cell, one process each
+Workload (`--workload`): `shared` (default, SCBench-style shared context): one document of `ctx` tokens (Paul
+Graham's essays, $KVLAB_DATA) shared by every sequence through prefix caching, then `--suffix` distinct tokens per
+sequence (windows of another essay), so the sequences differ. Each sequence's block table points at the shared
+pages and the attention kernel reads them per sequence, so the bytes read per step are those of `batch` distinct
+contexts (the cost model counts them so), while the pool holds one document (a 7k-token x 32 fp32 cell needs ~0.4 GB
+of KV instead of 10 GB) and each engine prefills the document once (untimed). `distinct`: `batch` different
+`ctx`-token windows. Drafts with a pool of their own (layerskip, model) hold a full copy of every sequence's context
+there (no prefix sharing in a draft pool): they run only while that copy fits `--own-pool-gib`.
+
+The prediction is S = E * T(B, c) / (k * D(B, c) + T(B, c + k)) with the measured tokens per verification E, drafted
+tokens per verification k, and c = prompt + max_tokens / 2, corrected for the steps that verified nothing
+(`run_speedup`); `KV/W` is the target pass's KV bytes over its weight bytes.
+
+    python experiments/bench_self_speculation_regime.py --cell fp32,4096,16 --threads 2   # one cell -> <out>.cells/
+    python experiments/bench_self_speculation_regime.py --all --contexts 4096 7168 --batches 16 32
     python experiments/bench_self_speculation_regime.py --aggregate                     # the table from the cells
-    python experiments/bench_self_speculation_regime.py --all --dtypes fp32 --contexts 64 --batches 1 \
+    python experiments/bench_self_speculation_regime.py --all --dtypes fp32 --contexts 64 --batches 1 \\
         --model random:llama-tiny --max-tokens 8 --repeats 1 --out /tmp/regime          # a smoke run
 """
 
@@ -24,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,34 +51,71 @@ COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("draft",
            ("kv_over_weights", "KV/W"), ("plain_tok_s", "plain decode tok/s"), ("spec_tok_s", "draft decode tok/s"),
            ("speedup", "measured speed-up"), ("predicted", "predicted (memory traffic)"),
            ("acceptance", "acceptance a"), ("accepted_len", "tokens per verification"),
-           ("drafted_len", "drafted per verification"), ("identical", "outputs identical")]
+           ("drafted_len", "drafted per verification"), ("identical", "outputs identical"), ("load", "load 1-min")]
+HF_COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("hf", "Hugging Face generate"),
+              ("tok_s", "decode tok/s"), ("speedup", "speed-up vs HF plain"), ("vs_kvlab", "tok/s / kvlab plain"),
+              ("identical", "output = kvlab plain"), ("load", "load 1-min")]
+DRAFT_CHOICES = ("streaming", "snapkv", "int4", "layerskip", "model", "ngram", "hf_early_exit", "hf_prompt_lookup")
+OWN_POOL = ("layerskip", "model")  # drafts whose KV lives in a pool of their own (a copy of each context)
 
 
-def drafts(args) -> list[tuple[str, str, dict]]:
-    """(label, draft name, draft_args) of the drafts compared with plain decoding."""
-    view = {"policy": "streaming_llm", "policy_args": {"budget": args.budget}, "num_tokens": args.num_tokens,
-            "max_batch": 32}
-    return [(f"self_compressed(streaming_llm {args.budget})", "self_compressed", view),
-            ("ngram", "ngram", {"num_tokens": args.num_tokens})]
+def draft_spec(args, key: str) -> tuple[str, str, dict]:
+    """(label, draft name, draft_args) of one kvlab draft named by its --drafts key."""
+    k = args.num_tokens
+    view = {"num_tokens": k, "max_batch": 32}
+    if key == "streaming":
+        return (f"self_compressed(streaming_llm {args.budget})", "self_compressed",
+                {**view, "policy": "streaming_llm", "policy_args": {"budget": args.budget}})
+    if key == "snapkv":
+        return (f"self_compressed(snapkv {args.snapkv_budget}, refresh {args.snapkv_refresh})", "self_compressed",
+                {**view, "policy": "snapkv", "policy_args": {"budget": args.snapkv_budget, "window_size": 16},
+                 "refresh": args.snapkv_refresh})
+    if key == "int4":
+        return (f"self_compressed(streaming_llm {args.int4_budget}, int4, refresh {args.refresh})", "self_compressed",
+                {**view, "policy": "streaming_llm", "policy_args": {"budget": args.int4_budget}, "quant": "int4",
+                 "refresh": args.refresh})
+    if key == "layerskip":
+        return f"layerskip({args.layers} layers)", "layerskip", {"layers": args.layers, "num_tokens": k}
+    if key == "model":
+        return f"model({args.draft_model or args.model})", "model", {"model": args.draft_model or args.model,
+                                                                     "num_tokens": k}
+    if key == "ngram":
+        return "ngram", "ngram", {"num_tokens": k}
+    raise ValueError(f"--drafts: unknown kvlab draft {key!r}; one of {DRAFT_CHOICES}")
 
 
-def cell_prompts(tokenizer, ctx: int, batch: int, vocab: int) -> list[list[int]]:
-    """`batch` different prompts of `ctx` tokens: windows of the essays' tokens (random tokens without a tokenizer)."""
+def essay_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The essays' tokens: all but the last essay (the documents), and the last (the suffixes)."""
+    from kvlab.study.tasks.data import data_path
+
+    files = sorted(data_path("paul-graham-essays").glob("*.txt"))
+    body = tokenizer("\n\n".join(p.read_text() for p in files[:-1]))["input_ids"]
+    return body, tokenizer("\n\n" + files[-1].read_text())["input_ids"]
+
+
+def cell_prompts(tokenizer, ctx: int, batch: int, vocab: int, workload: str = "distinct",
+                 suffix: int = 24) -> tuple[list[list[int]], list[int] | None]:
+    """(prompts, shared document or None). `distinct`: `batch` different windows of `ctx` tokens; `shared`: one
+    `ctx`-token document + `suffix` different tokens per sequence. Random tokens without a tokenizer."""
     if tokenizer is None:
         import torch
 
         g = torch.Generator().manual_seed(ctx * 1000 + batch)
-        return torch.randint(3, vocab, (batch, ctx), generator=g).tolist()
-    from kvlab.study.tasks.data import data_path
-
-    folder = data_path("paul-graham-essays")
-    text = "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt")))
-    tokens = tokenizer(text)["input_ids"]
-    stride = max(ctx, (len(tokens) - ctx) // max(batch, 1))
-    out = [tokens[i * stride:i * stride + ctx] for i in range(batch)]
+        body = torch.randint(3, vocab, (batch * ctx + ctx,), generator=g).tolist()
+        tail = torch.randint(3, vocab, (batch * suffix + 1,), generator=g).tolist()
+    else:
+        body, tail = essay_tokens(tokenizer)
+    if workload == "shared":
+        if len(body) < ctx or len(tail) < batch * suffix:
+            raise ValueError(f"the essays hold {len(body)} + {len(tail)} tokens, too few for a {ctx}-token document "
+                             f"and {batch} suffixes of {suffix}")
+        doc = body[:ctx]
+        return [doc + tail[i * suffix:(i + 1) * suffix] for i in range(batch)], doc
+    stride = max(ctx, (len(body) - ctx) // max(batch, 1))
+    out = [body[i * stride:i * stride + ctx] for i in range(batch)]
     if any(len(p) < ctx for p in out):
-        raise ValueError(f"the essays hold {len(tokens)} tokens, too few for {batch} prompts of {ctx}")
-    return out
+        raise ValueError(f"the essays hold {len(body)} tokens, too few for {batch} prompts of {ctx}")
+    return out, None
 
 
 def timed(llm, batch, max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -78,29 +129,83 @@ def timed(llm, batch, max_tokens: int) -> tuple[dict, list[list[int]]]:
     return stats, [o.token_ids for o in outs]
 
 
+def kv_bytes_per_token(model, dtype: str) -> int:
+    """K and V of one token over every layer, in the compute dtype (the cache's format auto)."""
+    mc = model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * (4 if dtype == "fp32" else 2)
+
+
+def pool_bytes(args, key: str | None, dargs: dict, ctx: int, batch: int, prompt: int, per_token: int,
+               shared: bool) -> int:
+    """kv_cache_memory of one engine: the cell's pages (the shared document once, or every context), plus a copied
+    view's slots (taken from the pool), or, for a draft with a pool of its own, every context (its pool is as
+    large as the engine's)."""
+    tail = args.max_tokens + args.num_tokens + 32
+    tokens = (ctx + batch * (prompt - ctx + tail)) if shared and key not in OWN_POOL else batch * (prompt + tail)
+    extra = 0
+    if key in ("snapkv", "int4"):
+        budget = dargs["policy_args"]["budget"]
+        share = 0.35 if dargs.get("quant") else 1.0  # int4 codes + scales, ~27 % of the decoded bytes
+        extra = int(min(batch, 32) * (budget + dargs["refresh"] + args.num_tokens + 32) * per_token * share)
+    return int(tokens * per_token * 1.15) + extra + (16 << 20)
+
+
 def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
     import torch
 
     from kvlab import LLM, SamplingParams
+    from kvlab.models import load_model
     from kvlab.speculation.cost_model import run_speedup
     from kvlab.speculation.engine_traffic import draft_pass, target_traffic
 
     torch.set_num_threads(args.threads)
-    tokens = batch * (ctx + args.max_tokens + args.num_tokens + 16)
+    load_start = os.getloadavg()[0]
+    shared = args.workload == "shared"
+    loaded = load_model(args.model, dtype=getattr(torch, DTYPES[dtype]), seed=args.seed)
+    per_token = kv_bytes_per_token(loaded.model, dtype)
+    vocab = loaded.model.config.vocab_size
+    ps, doc = cell_prompts(loaded.tokenizer, ctx, batch, vocab, args.workload, args.suffix)
+    prompt = len(ps[0])
     engine = dict(dtype=DTYPES[dtype], block_size=16, enable_prefix_caching=True, max_num_seqs=max(batch, 1),
-                  max_num_batched_tokens=min(max(512, batch * ctx + 64), args.max_batched_tokens), kv_cache_memory=args.kv_memory or
-                  max(int(tokens * 55_000), 64 << 20))
-    plain = LLM(args.model, **engine)
-    specs = [(label, LLM(args.model, draft=name, draft_args=dargs, **engine)) for label, name, dargs in drafts(args)]
-    vocab = plain.engine.model_config.vocab_size
-    ps = cell_prompts(plain.tokenizer, ctx, batch, vocab)
+                  max_num_batched_tokens=min(max(512, batch * prompt + 64), args.max_batched_tokens),
+                  linear_backend=args.linear_backend, seed=args.seed)
+    kvlab_keys = [k for k in args.drafts if not k.startswith("hf_")]
+    skipped = []
+    own_limit = args.own_pool_gib * (1 << 30)
+    if any(k in OWN_POOL for k in kvlab_keys) and batch * (prompt + args.max_tokens) * per_token > own_limit:
+        skipped = [k for k in kvlab_keys if k in OWN_POOL]
+        log(f"cell {dtype},{ctx},{batch}: {skipped} skipped: their own pool would hold {batch} full contexts "
+            f"({batch * (prompt + args.max_tokens) * per_token / 2**30:.1f} GiB > --own-pool-gib {args.own_pool_gib})")
+    kvlab_keys = [k for k in kvlab_keys if k not in skipped]
+
+    def build(key):
+        label, name, dargs = draft_spec(args, key) if key else ("plain", None, {})
+        memory = args.kv_memory or pool_bytes(args, key, dargs, ctx, batch, prompt, per_token, shared)
+        if name == "self_compressed":
+            dargs = {**dargs, "max_batch": min(max(batch, 1), 32)}  # the copy's slots: one a sequence
+        draft = dict(draft=name, draft_args=dargs) if name else {}
+        try:
+            return label, LLM(args.model, loaded=loaded, kv_cache_memory=memory, **draft, **engine)
+        except ValueError as e:  # a copied view's slots took more than estimated: the pool plus what they take
+            found = re.search(r"after the draft's view copy \((\d+) bytes\)", str(e))
+            if found is None or args.kv_memory:
+                raise
+            return label, LLM(args.model, loaded=loaded, kv_cache_memory=memory + int(found.group(1)), **draft, **engine)
+
+    _, plain = build(None)
+    specs = [build(k) for k in kvlab_keys]
     t0 = time.perf_counter()
     for llm in [plain] + [s for _, s in specs]:  # prefill once (cached pages from then on), untimed
+        if doc is not None and batch > 1:
+            llm.generate([doc], SamplingParams(max_tokens=1, ignore_eos=True))  # the shared document, once
         llm.generate(ps, SamplingParams(max_tokens=2, ignore_eos=True))
     log(f"cell {dtype},{ctx},{batch}: prefills took {time.perf_counter() - t0:.1f} s")
     runs = {label: [] for label, _ in specs}
+    base_out, hit = None, None
     for r in range(args.repeats):
         base, base_out = timed(plain, ps, args.max_tokens)
+        hit = base.get("prefix_hit_rate_tokens")
         for label, llm in specs:
             sp, out = timed(llm, ps, args.max_tokens)
             runs[label].append({"plain_tok_s": base["decode_tok_s"], "spec_tok_s": sp["decode_tok_s"],
@@ -109,14 +214,19 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
                                 "verifications": sp["spec_verifications"], "drafted": sp["spec_drafted_tokens"],
                                 "identical": out == base_out})
             log(f"cell {dtype},{ctx},{batch} round {r}: plain {base['decode_tok_s']:.2f} tok/s, {label} "
-                f"{sp['decode_tok_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}")
+                f"{sp['decode_tok_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}, identical {out == base_out}")
+        partial = cell_file(args, dtype, ctx, batch).with_suffix(".partial")  # the rounds so far, should a cell
+        partial.parent.mkdir(parents=True, exist_ok=True)  # be stopped before its end (removed at the end)
+        partial.write_text(json.dumps({"rounds": r + 1, "runs": runs, "load": os.getloadavg()[0]}, indent=1))
     target = target_traffic(plain.engine)
-    c = ctx + args.max_tokens / 2
+    c = prompt + args.max_tokens / 2
     t_plain = target.pass_bytes(batch, c)
+    load_end = os.getloadavg()[0]
+    load = f"{load_start:.1f}/{load_end:.1f}"
     rows = []
     for label, llm in specs:
         rs = runs[label]
-        row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": label, "runs": rs,
+        row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": label, "runs": rs, "load": load,
                "kv_over_weights": batch * target.kv_bytes(c) / target.weight_bytes(),
                "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
         for key in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len"):
@@ -130,8 +240,73 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
         row["predicted"] = run_speedup(t_plain, target.pass_bytes(batch, c + k), draft_pass(llm.engine)(batch, c), k,
                                        emitted, share) if last["verifications"] else 1.0
         rows.append(row)
-    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows,
+    plain_tok_s = statistics.median(r["plain_tok_s"] for r in next(iter(runs.values()))) if runs else None
+    hf_keys = [k for k in args.drafts if k.startswith("hf_")]
+    hf = []
+    if hf_keys and batch == 1:
+        del specs, plain
+        hf = hf_rows(args, dtype, ctx, ps[0], base_out[0] if base_out else None, hf_keys, plain_tok_s)
+        for row in hf:
+            row["load"] = f"{load_end:.1f}/{os.getloadavg()[0]:.1f}"
+    from kvlab.engine.linear_backend import backend_of
+
+    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": hf, "skipped": skipped,
+            "linear_backend": backend_of(loaded.model),
+            "prompt_tokens": prompt, "workload": args.workload, "prefix_hit_rate_tokens": hit,
             "weight_bytes": target.weight_bytes(), "kv_bytes_per_token": sum(target.kv_bytes_per_token)}
+
+
+def hf_rows(args, dtype: str, ctx: int, prompt: list[int], kvlab_out, keys, kvlab_tok_s) -> list[dict]:
+    """Hugging Face `generate` (sdpa, torch's linear layers) at batch 1 on the cell's prompt: plain, then assisted
+    generation with `assistant_early_exit` (the draft length and a constant schedule set on the model's own
+    generation_config, kvlab/study/hf_assistant.py) and prompt lookup. Decode time = time(max_tokens) - time(1)
+    for the same mode (the prefill, and an assistant's own prefill, out), medians of --repeats."""
+    import torch
+
+    from kvlab.models import load_model
+    from kvlab.study.hf_assistant import set_assistant_options
+
+    model = load_model(args.model, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="sdpa",
+                       seed=args.seed).model.eval()
+    k = args.num_tokens
+    modes = [("plain generate", {}, False)]
+    if "hf_early_exit" in keys:
+        modes.append((f"assistant_early_exit={args.layers}, num_assistant_tokens={k}, constant, threshold 0",
+                      {"assistant_early_exit": args.layers}, True))
+    if "hf_prompt_lookup" in keys:
+        modes.append((f"prompt_lookup_num_tokens={k}, max_matching_ngram_size=3",
+                      {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}, False))
+    ids = torch.tensor([prompt])
+
+    def gen(extra, assisted, n):
+        if assisted:
+            set_assistant_options(model, num_tokens=k, schedule="constant", threshold=0.0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, **extra)
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+    gen({}, False, 2)  # warm-up
+    rows, plain = [], None
+    for label, extra, assisted in modes:
+        try:
+            first, _ = gen(extra, assisted, 1)
+            times, out = [], None
+            for _ in range(args.repeats):
+                s, out = gen(extra, assisted, args.max_tokens)
+                times.append(s)
+        except Exception as e:  # an option this transformers version refuses: say so in the table
+            rows.append({"dtype": dtype, "ctx": ctx, "batch": 1, "hf": label, "tok_s": float("nan"),
+                         "speedup": float("nan"), "identical": f"failed: {type(e).__name__}: {str(e)[:80]}"})
+            continue
+        tok_s = (args.max_tokens - 1) / max(statistics.median(times) - first, 1e-9)
+        plain = plain or tok_s
+        rows.append({"dtype": dtype, "ctx": ctx, "batch": 1, "hf": label, "tok_s": tok_s, "speedup": tok_s / plain,
+                     "vs_kvlab": tok_s / kvlab_tok_s if kvlab_tok_s else None, "times": times, "first_s": first,
+                     "identical": "yes" if out == kvlab_out else "NO"})
+        log(f"HF {dtype},{ctx},1 {label}: {tok_s:.2f} decode tok/s")
+    return rows
 
 
 def cells(args) -> list[tuple[str, int, int]]:
@@ -142,16 +317,56 @@ def cell_file(args, dtype: str, ctx: int, batch: int) -> Path:
     return Path(f"{args.out}.cells") / f"{dtype}_{ctx}_{batch}.json"
 
 
+def passthrough(args) -> list[str]:
+    """The options a cell's process gets from --all."""
+    out = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+           "--num-tokens", str(args.num_tokens), "--budget", str(args.budget), "--threads", str(args.threads),
+           "--snapkv-budget", str(args.snapkv_budget), "--int4-budget", str(args.int4_budget),
+           "--refresh", str(args.refresh), "--snapkv-refresh", str(args.snapkv_refresh), "--layers", str(args.layers), "--workload", args.workload,
+           "--suffix", str(args.suffix), "--linear-backend", args.linear_backend,
+           "--own-pool-gib", str(args.own_pool_gib), "--max-batched-tokens", str(args.max_batched_tokens),
+           "--out", args.out, "--drafts", *args.drafts]
+    out += ["--kv-memory", args.kv_memory] if args.kv_memory else []
+    return out + (["--draft-model", args.draft_model] if args.draft_model else [])
+
+
 def run_all(args) -> None:
     """Each cell in a process of its own (a fresh allocator and no model state carried between cells)."""
-    passthrough = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-                   "--num-tokens", str(args.num_tokens), "--budget", str(args.budget), "--threads", str(args.threads),
-                   "--max-batched-tokens", str(args.max_batched_tokens),
-                   "--out", args.out] + (["--kv-memory", args.kv_memory] if args.kv_memory else [])
     for dtype, ctx, batch in cells(args):
         log(f"cell {dtype},{ctx},{batch}")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--cell", f"{dtype},{ctx},{batch}", *passthrough],
-                       check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--cell", f"{dtype},{ctx},{batch}",
+                        *passthrough(args)], check=True)
+
+
+def partial_cell(path: Path, finished: list[dict]) -> dict:
+    """A cell stopped before its end, from its .partial file: the medians of its finished rounds, a prediction only
+    where one was added to the file by hand (it needs the built engines), KV/W from a finished cell of the same
+    dtype (the same model), if any."""
+    dtype, ctx, batch = path.stem.split("_")
+    ctx, batch = int(ctx), int(batch)
+    saved = json.loads(path.read_text())
+    same = [d for d in finished if d["dtype"] == dtype]
+    rows = []
+    for label, rs in saved["runs"].items():
+        if not rs:
+            continue
+        row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": f"{label} [{len(rs)} round(s), cell stopped]",
+               "runs": rs, "load": f"-/{saved['load']:.1f}", "predicted": saved.get("predicted", {}).get(label),
+               "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
+        for key in ("plain_tok_s", "spec_tok_s", "speedup", "acceptance", "accepted_len"):
+            got = [x[key] for x in rs if x.get(key) is not None]
+            row[key] = statistics.median(got) if got else None
+        last = rs[-1]
+        row["drafted_len"] = last["drafted"] / max(last["verifications"], 1) if last.get("verifications") else None
+        if same:  # prompt = ctx + the suffix; KV/W at the mean context during decoding
+            d = same[0]
+            c = d["prompt_tokens"] - d["ctx"] + ctx + (d.get("max_tokens") or 24) / 2
+            row["kv_over_weights"] = batch * c * d["kv_bytes_per_token"] / d["weight_bytes"]
+        rows.append(row)
+    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": [], "skipped": [],
+            "command": f"(stopped) {saved.get('command', '')}".strip(), "model": finished[0]["model"] if finished else "",
+            "weight_bytes": same[0]["weight_bytes"] if same else 0, "kv_bytes_per_token": same[0]["kv_bytes_per_token"]
+            if same else 0, "workload": same[0].get("workload") if same else None}
 
 
 def aggregate(args) -> str:
@@ -160,26 +375,37 @@ def aggregate(args) -> str:
     meta = metadata(args)
     found = sorted(Path(f"{args.out}.cells").glob("*.json"))
     data = [json.loads(p.read_text()) for p in found]
+    data += [partial_cell(p, data) for p in sorted(Path(f"{args.out}.cells").glob("*.partial"))
+             if not p.with_suffix(".json").exists()]
     data.sort(key=lambda d: (list(DTYPES).index(d["dtype"]), d["ctx"], d["batch"]))
     rows = [r for d in data for r in d["rows"]]
+    hf = [r for d in data for r in d.get("hf", [])]
+    skipped = [f"{d['dtype']},{d['ctx']},{d['batch']}: {', '.join(d['skipped'])}" for d in data if d.get("skipped")]
     commands = sorted({d["command"] for d in data})
     weights = "; ".join(sorted({f"{d['dtype']}: weights {d['weight_bytes'] / 1e6:.0f} MB, KV "
-                                f"{d['kv_bytes_per_token'] / 1e3:.1f} kB a token" for d in data}))
+                                f"{d['kv_bytes_per_token'] / 1e3:.1f} kB a token" for d in data if d["weight_bytes"]}))
+    workloads = sorted({d.get("workload", "distinct") for d in data})
     text = "\n".join([
-        f"# The regime map: self-speculation and prompt lookup against plain decoding on {data[0]['model'] if data else args.model}",
+        f"# The regime map: self-speculation, layerskip, a draft model and prompt lookup against plain decoding on "
+        f"{data[0]['model'] if data else args.model}",
         "", f"Aggregated by: `{meta['command']}`  ", f"Cells run by: {', '.join(f'`{c}`' for c in commands)}  ",
         f"Date: {meta['started_at']}  ", f"Commit: {commit_line(meta)}  ",
-        f"Load average at the end (1/5/15 min): {load_average()} -- the machine (2 cores) ran other agents' jobs at "
-        f"the same time, so absolute figures are noisy; each speed-up is a median of per-round ratios against "
-        f"plain decoding measured in the same round.", "",
-        f"{weights}. The cache is in the compute dtype (format auto). Greedy, EOS ignored, block size 16, prefix "
-        f"caching on (each engine prefills once, untimed); decode tok/s = batch / median time per output token.", "",
+        f"Load average at the end (1/5/15 min): {load_average()}; each cell's 1-min load at its start/end is in the "
+        f"table. The machine (2 cores) is shared with other jobs; each speed-up is a median of per-round ratios "
+        f"against plain decoding measured in the same round.", "",
+        f"{weights}. The cache is in the compute dtype (format auto). Workload: {', '.join(workloads)} (see the "
+        f"script's docstring). Greedy, EOS ignored, block size 16, prefix caching on (each engine prefills once, "
+        f"untimed); decode tok/s = batch / median time per output token.", "",
         table(rows, COLUMNS), "",
+        *(["Hugging Face at batch 1, same prompt and token count (decode time = time of max_tokens minus time of one "
+           "token, same mode; sdpa, torch linear layers); speed-up against Hugging Face's plain generate in the same "
+           "cell, and tok/s over kvlab's plain decoding of that cell:", "", table(hf, HF_COLUMNS), ""] if hf else []),
+        *([f"Not run (a draft pool of their own would hold every full context): {'; '.join(skipped)}.", ""]
+          if skipped else []),
         "The prediction counts bytes only (weights once a pass, each sequence's KV per layer; the view's tokens for "
-        "the self_compressed draft, nothing for ngram). Compute, Python overhead per pass and caches are not in it; "
-        "on two shared CPU cores they can move a measured speed-up either way (a draft pass has the target's fixed "
-        "per-pass costs; attention over the whole context, which a view skips, is compute as well as bytes).", "",
-        *([f"Outputs not identical (NO): bf16 rows. In bf16 a verification pass (k + 1 rows a sequence) rounds "
+        "the self_compressed draft, in the copy's format for int4; nothing for ngram). Compute, Python overhead per "
+        "pass and caches are not in it.", "",
+        *([f"Outputs not identical (NO) in bf16 rows: a verification pass (k + 1 rows a sequence) rounds "
            f"differently from a plain one-row pass, and a bf16 cache stores those last bits: the declared deviation "
            f"'a rounding format under a changing schedule' (docs/design.md); batch_invariant=True makes it exact, "
            f"at a cost, and was not run here. fp32 rows must read yes.", ""]
@@ -203,6 +429,7 @@ def main(argv=None) -> dict | None:
         from kvlab.study.loggers.local import to_json
 
         path.write_text(json.dumps(to_json(result), indent=2))
+        path.with_suffix(".partial").unlink(missing_ok=True)
         log(f"wrote {path}")
         return result
     if args.all:
@@ -220,15 +447,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--aggregate", action="store_true", help="the table from the cells already run")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 7168])
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--drafts", nargs="+", default=list(DRAFT_CHOICES), choices=DRAFT_CHOICES,
+                   help="decoders compared with plain decoding (hf_*: Hugging Face, batch-1 cells only)")
+    p.add_argument("--workload", choices=["shared", "distinct"], default="shared",
+                   help="shared: one ctx-token document + --suffix distinct tokens a sequence; distinct: windows")
+    p.add_argument("--suffix", type=int, default=24, help="distinct tokens after the shared document")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--num-tokens", type=int, default=4, help="draft length k")
-    p.add_argument("--budget", type=int, default=256, help="tokens of the StreamingLLM view the draft reads")
+    p.add_argument("--budget", type=int, default=256, help="tokens of the StreamingLLM page view")
+    p.add_argument("--snapkv-budget", type=int, default=512, help="tokens of the SnapKV token view")
+    p.add_argument("--int4-budget", type=int, default=1024, help="tokens of the int4-stored StreamingLLM view")
+    p.add_argument("--refresh", type=int, default=64, help="the int4 view is re-copied every this many tokens")
+    p.add_argument("--snapkv-refresh", type=int, default=8,
+                   help="the SnapKV view is reselected every this many tokens: its 16 query rows before the refresh "
+                        "point must have been computed, not prefix hits (after the prompt's cached pages)")
+    p.add_argument("--layers", type=int, default=24, help="layerskip's (and HF assistant_early_exit's) exit layer")
+    p.add_argument("--draft-model", default=None, help="the model draft (default: --model, the suite's SmolLM2)")
+    p.add_argument("--own-pool-gib", type=float, default=1.0,
+                   help="run layerskip / model only where every context fits this many GiB of their own pool")
+    p.add_argument("--linear-backend", choices=["cpu", "torch"], default="cpu")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--max-batched-tokens", type=int, default=8192,
-                   help="prefill chunk cap (a 16 x 3k-token prefill in one step needs > 11 GiB in the reference attention)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="prefill chunk cap (the reference attention's score matrix grows with the chunk)")
     p.add_argument("--kv-memory", default=None, help="KV pool per engine (default: what the cell needs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -286,6 +286,8 @@ def page_pool(config, allocator, policy, quant, mc, max_model_len: int,
     if policy.compresses:  # a prefix hit (and a kept-turn hit) leaves the policy's observation window to compute
         bm.recompute_tail = bm.turn_tail = policy.query_window
         bm.keep_shared = config.prefix_keep_shared
+    if draft is not None:  # a draft reading the target's queries of a prompt's last tokens: a hit leaves them to compute
+        bm.recompute_tail = max(bm.recompute_tail, draft.prompt_query_tail())
     if config.reuse_compressed:  # finished compressed turns kept for the next (kvlab/cache/kept_turns.py)
         bm.allocator.kept_turns = KeptTurns(len(groups), config.reuse_compressed_max_turns)
         if cache.area is not None and cache.area.lessor is not None:  # a kept turn's open pages keep their rows

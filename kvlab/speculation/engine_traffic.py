@@ -43,6 +43,15 @@ def target_traffic(engine) -> Traffic:
     return model_traffic(engine.model, engine.cache)
 
 
+def view_tokens(draft) -> Callable[[float], float]:
+    """context -> tokens a self_compressed draft's view holds a sequence: a page view's own count; a token view's
+    selection of [0, P) plus the tokens since the refresh point P ((refresh - 1) / 2 on average)."""
+    view = draft._view
+    if hasattr(view, "tokens"):  # a page view
+        return lambda context: view.tokens(int(context))
+    return lambda context: min(context, view.policy.budget + (draft.refresh - 1) / 2)
+
+
 def draft_pass(engine) -> Callable[[int, float], float]:
     """(batch, context) -> bytes one pass of the engine's draft reads; 0 for a draft without a model."""
     draft = engine.speculator.draft if engine.speculator else None
@@ -52,8 +61,8 @@ def draft_pass(engine) -> Callable[[int, float], float]:
     if name == "self_compressed":  # a copied view is read in its own format (int4 codes: QuantSpec)
         copy = getattr(draft, "_copy", None)
         read = model_traffic(engine.model, copy.cache) if copy is not None else target_traffic(engine)
-        layers, view = draft.layers, draft._view
-        return lambda batch, context: read.pass_bytes(batch, context, layers, view.tokens(int(context)))
+        layers, tokens = draft.layers, view_tokens(draft)
+        return lambda batch, context: read.pass_bytes(batch, context, layers, tokens(context))
     pool = getattr(draft, "_pool", None)
     if pool is None:
         raise ValueError(f"engine_traffic: no traffic model for draft {name!r} (it has no model on a pool of its own)")

@@ -1,5 +1,6 @@
 """The regime map (experiments/bench_self_speculation_regime.py) on a tiny model: a cell per process-free call,
-then the aggregate table with the cost model's prediction beside each measured speed-up."""
+then the aggregate table with the cost model's prediction beside each measured speed-up; the shared-context
+workload's prompts; every draft mode and the Hugging Face rows at batch 1."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from exp_helpers import REPO
 
 sys.path.insert(0, str(REPO / "experiments"))
 
+TINY = ["--model", "random:llama-tiny", "--repeats", "1", "--budget", "32", "--threads", "1"]
+
 
 def test_cells_then_the_aggregate_table(tmp_path, one_thread):
     from bench_self_speculation_regime import main
@@ -20,7 +23,7 @@ def test_cells_then_the_aggregate_table(tmp_path, one_thread):
     from kvlab.study.bench_io import fmt
 
     out = str(tmp_path / "regime")
-    common = ["--model", "random:llama-tiny", "--max-tokens", "8", "--repeats", "1", "--budget", "32", "--out", out]
+    common = [*TINY, "--max-tokens", "8", "--drafts", "streaming", "ngram", "--out", out]
     for cell in ("fp32,48,1", "bf16,48,2"):
         main(["--cell", cell, *common])
     main(["--aggregate", *common])
@@ -29,6 +32,7 @@ def test_cells_then_the_aggregate_table(tmp_path, one_thread):
     assert data[1]["kv_bytes_per_token"] == pytest.approx(data[0]["kv_bytes_per_token"] / 2)  # the cache in bf16
     md = (tmp_path / "regime.md").read_text()
     for d in data:
+        assert d["linear_backend"] == "cpu"  # the small-batch linear kernel, the fastest plain path
         assert [r["draft"] for r in d["rows"]] == ["self_compressed(streaming_llm 32)", "ngram"]
         for r in d["rows"]:
             assert r["identical"] == "yes" and math.isfinite(r["speedup"]) and r["predicted"] > 0
@@ -38,3 +42,35 @@ def test_cells_then_the_aggregate_table(tmp_path, one_thread):
         assert sc["runs"][0]["verifications"] > 0 and sc["drafted_len"] > 1
     with pytest.raises(SystemExit):
         main(["--cell", "fp16,48,1", *common])
+
+
+def test_the_shared_workload_is_one_document_and_a_distinct_suffix_per_sequence():
+    from bench_self_speculation_regime import cell_prompts
+
+    ps, doc = cell_prompts(None, 64, 4, 256, "shared", suffix=8)
+    assert len(doc) == 64 and all(len(p) == 72 and p[:64] == doc for p in ps)
+    assert len({tuple(p[64:]) for p in ps}) == 4  # the sequences differ
+    ps, doc = cell_prompts(None, 64, 4, 256, "distinct")
+    assert doc is None and len({tuple(p) for p in ps}) == 4 and all(len(p) == 64 for p in ps)
+
+
+def test_every_draft_mode_and_the_hugging_face_rows_at_batch_1(tmp_path, one_thread):
+    from bench_self_speculation_regime import main
+
+    out = str(tmp_path / "modes")
+    d = main(["--cell", "fp32,48,1", *TINY, "--max-tokens", "6", "--snapkv-budget", "32", "--int4-budget", "32",
+              "--refresh", "16", "--layers", "1", "--drafts", "snapkv", "int4", "layerskip", "model",
+              "hf_early_exit", "hf_prompt_lookup", "--out", out])
+    assert [r["draft"] for r in d["rows"]] == ["self_compressed(snapkv 32, refresh 8)",
+                                                "self_compressed(streaming_llm 32, int4, refresh 16)",
+                                                "layerskip(1 layers)", "model(random:llama-tiny)"]
+    for r in d["rows"]:
+        assert r["identical"] == "yes" and r["runs"][0]["verifications"] > 0 and r["predicted"] > 0
+    assert [r["hf"].split(",")[0] for r in d["hf"]] == ["plain generate", "assistant_early_exit=1",
+                                                         "prompt_lookup_num_tokens=4"]
+    for r in d["hf"]:  # greedy: Hugging Face's outputs are kvlab's plain ones
+        assert r["identical"] == "yes" and r["tok_s"] > 0 and r["vs_kvlab"] > 0
+    big = main(["--cell", "fp32,48,2", *TINY, "--max-tokens", "4", "--own-pool-gib", "1e-6", "--drafts", "ngram",
+                "layerskip", "model", "hf_early_exit", "--out", out])
+    assert big["skipped"] == ["layerskip", "model"] and big["hf"] == []  # no copy of every context; HF at batch 1
+    assert [r["draft"] for r in big["rows"]] == ["ngram"]

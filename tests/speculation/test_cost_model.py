@@ -67,6 +67,11 @@ def test_engine_traffic_reads_the_parameters_and_the_cache_format(one_thread):
     embed = 0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens)
     assert t.weight_bytes() == param_bytes(model) - embed  # every parameter but a lookup-only embedding
     assert draft_pass(llm.engine)(4, 100) == t.weight_bytes() + 4 * 32 * BYTES_PER_TOKEN  # the view's 32 tokens
+    snap = LLM(MODEL, draft="self_compressed", block_size=16, kv_cache_memory="8MiB",
+               draft_args={"policy": "snapkv", "policy_args": {"budget": 32, "window_size": 16}, "refresh": 9})
+    st = target_traffic(snap.engine)  # a token view: its 32 selected tokens + 4 since the refresh point on average
+    assert draft_pass(snap.engine)(4, 100) == pytest.approx(st.weight_bytes() + 4 * 36 * BYTES_PER_TOKEN)
+    assert draft_pass(snap.engine)(4, 20) == pytest.approx(st.weight_bytes() + 4 * 20 * BYTES_PER_TOKEN)
     ngram = LLM(MODEL, draft="ngram", block_size=16, kv_cache_memory="4MiB")
     assert draft_pass(ngram.engine)(4, 100) == 0.0
     int8 = LLM(MODEL, quant="int8", block_size=16, kv_cache_memory="4MiB")

@@ -304,3 +304,22 @@ def test_an_int4_view_of_every_token_accepts_nearly_what_the_exact_view_does():
     rate = {q: run({**view, "quant": q}, batch, 24, kv_cache_memory="8MiB")[1]["spec_acceptance_rate"]
             for q in (None, "int4", "int2")}
     assert rate[None] == 1.0 and rate["int4"] >= 0.9 and rate["int2"] < rate["int4"], rate
+
+
+@pytest.mark.parametrize("view", ["token", "token_h2o"])
+def test_a_prefix_hit_leaves_the_token_views_query_window_to_compute(view):
+    """A repeated prompt hits the prefix cache; its refresh point's query window (the last window + refresh - 1
+    prompt tokens at most) is computed by the request itself, not taken from the hit (the view's scores read
+    those queries: a hit over them left none and the selection raised)."""
+    dargs = VIEWS[view]
+    prompt = list(range(3, 91))  # 88 tokens: 5 full pages of 16, the first refresh point at 80
+    engine = dict(block_size=16, kv_cache_memory="16MiB", enable_prefix_caching=True)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = LLM(MODEL, **engine).generate([prompt], sp)[0].token_ids
+    llm = LLM(MODEL, draft="self_compressed", draft_args=dargs, **engine)
+    assert llm.generate([prompt], sp)[0].token_ids == plain
+    llm.reset_stats()
+    assert llm.generate([prompt], sp)[0].token_ids == plain  # the hit: the same output
+    stats, tail = llm.stats(), llm.engine.speculator.draft.prompt_query_tail()
+    assert tail >= dargs["refresh"] - 1 + 8 and 0 < stats["prefix_hit_tokens"] <= len(prompt) - tail
+    assert stats["spec_verifications"] > 0

@@ -88,6 +88,11 @@ class DraftModel(ABC):
         """Trailing rows of this step's chunk of `seq` whose target queries the draft reads (0: none)."""
         return 0
 
+    def prompt_query_tail(self) -> int:
+        """Trailing prompt tokens whose target queries the draft may read after the prefill: a prefix hit stops
+        before them, so this request computes (and `observe`s) them itself (0: none)."""
+        return 0
+
     def observe(self, seq: "Sequence", positions: list[int], queries: dict) -> None:
         """The target's queries (layer -> [len(positions), Hq, D]) of `seq`'s committed tokens at `positions`,
         as `query_rows` asked: a verify step's kept rows only."""

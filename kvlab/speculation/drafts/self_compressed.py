@@ -187,6 +187,13 @@ class SelfCompressedDraft(DraftModel):
             return 0
         return min(num_new_tokens, num_new_tokens if seq.draft_token_ids else self._view.window + self.refresh)
 
+    def prompt_query_tail(self) -> int:
+        """A token view's scores read the target's queries of the `window` positions before a refresh point P;
+        the first P after the prefill is at most refresh - 1 before the prompt's end."""
+        if isinstance(self._view, TokenView) and self._view.window:
+            return self._view.window + self.refresh - 1
+        return 0
+
     def observe(self, seq, positions: list[int], queries: dict[int, torch.Tensor]) -> None:
         """The target's queries (layer -> [len(positions), Hq, D]) of `seq`'s committed tokens at `positions`."""
         if self._log is not None:
