@@ -193,6 +193,8 @@ class Speculator:
         accepted, final = speculative_sample(p, q, draft, torch.tensor(ks), u_accept, u_final)
         accepted, final = accepted.tolist(), final.tolist()
         emitted = [(s, s.draft_token_ids[:a] + [t]) for s, a, t in zip(seqs, accepted, final)]
+        for seq, k, a in zip(seqs, ks, accepted):  # the pages the accepted run pushed out of the window
+            self.kv.seal_accepted(seq, k, a)
         self._record(seqs, ks, accepted)
         return emitted, {s.seq_id: k - a for s, k, a in zip(seqs, ks, accepted)}
 
