@@ -9,15 +9,18 @@ prompt quantised), kvlab's own tasks run on the same engine settings:
     KL of next-token distributions), --num-prompts prompts of --prompt-length tokens.
 Also the pool's bytes per token (scales and zero points included) and the residual area's bytes.
 --residual-bf16 adds int4 / int2 with their residual rows in bfloat16; --variant NAME:key=value,...
-adds a format with those arguments (e.g. fp8_e4m3:scaling=fixed); --policy with --budgets adds
-format x policy rows (agreement only: the policy compresses each prompt once, at the end of prefill, to
-each budget; the reference stays the full-cache fp32 engine). Hugging Face's QuantizedCache beside
+adds a format with those arguments (e.g. fp8_e4m3:scaling=fixed); --policy NAME[:JSON] (repeatable: the
+policy's other arguments as a JSON object) with --budgets adds format x policy rows (agreement only: the
+policy compresses each prompt once, at the end of prefill, to each budget; the reference stays the full-cache
+fp32 engine). Hugging Face's QuantizedCache beside
 kvlab's int4 / int2: experiments/bench_quant_anchor.py.
 
     python experiments/bench_quant_quality.py                        # SmolLM2-135M, ~10 minutes on 2 busy cores
     python experiments/bench_quant_quality.py --num-windows 2 --num-prompts 2 --out /tmp/q
     python experiments/bench_quant_quality.py --policy snapkv --budgets 64 128 --formats fp32 int8 int4 int2
     python experiments/bench_quant_quality.py --formats fp32 fp8_e4m3 --variant fp8_e4m3:scaling=fixed
+    python experiments/bench_quant_quality.py --formats fp32 --prompt-length 256 --budgets 128 --policy h2o \
+        --policy 'adakv:{"scorer": "h2o"}' --policy adakv      # AdaKV over H2O vs over SnapKV vs H2O, at 0.5
 """
 
 from __future__ import annotations
@@ -70,20 +73,21 @@ def run(args) -> list[dict]:
     formats += [(n, {"residual_dtype": "bfloat16"}, None) for n in kivi] if args.residual_bf16 else []
     formats += [(n, q, None) for n, q in args.variant]
     with_policy = [(n, q) for n, q in chosen if n in (args.policy_formats or args.formats)]
-    formats += [(n, q, b) for b in (args.budgets if args.policy else []) for n, q in with_policy]
+    formats += [(n, q, (pol, pargs, b)) for pol, pargs in args.policy for b in args.budgets for n, q in with_policy]
     rows = []
-    for name, qargs, budget in formats:
+    for name, qargs, compressed in formats:
         t0 = time.perf_counter()
         qargs = {"group_size": args.group_size, **qargs} if name in ("int4", "int2") else qargs
-        policy = {} if budget is None else {"policy": args.policy, "policy_args": {"budget": budget}}
+        policy = {} if compressed is None else {"policy": compressed[0],
+                                                "policy_args": {**compressed[1], "budget": compressed[2]}}
         log(f"{name} {qargs} {policy}")
         llm = LLM(args.model, loaded=copy.deepcopy(loaded), quant=name, quant_args=qargs, **engine, **policy)
         cache = llm.engine.cache
         per_token = cache.pool_nbytes() / ((cache.null_page + 1) * 32) / len(cache.groups[0].layers)
-        p = ppl.run(llm, ctx).metrics if budget is None else {"perplexity/ppl": None}
+        p = ppl.run(llm, ctx).metrics if compressed is None else {"perplexity/ppl": None}
         a = agree.run(llm, ctx).metrics
         rows.append({"format": name, "args": ",".join(f"{k}={v}" for k, v in qargs.items()) or "-",
-                     "policy": "full" if budget is None else f"{args.policy} budget={budget}",
+                     "policy": "full" if compressed is None else policy_label(*compressed),
                      "bytes_per_token": per_token, "residual_mib": cache.residual_nbytes() / 2**20,
                      "leased_mib": leased_mib(llm),
                      "ppl": p["perplexity/ppl"], "greedy_match": a["agreement/greedy_match"],
@@ -95,6 +99,12 @@ def run(args) -> list[dict]:
     for r in rows:
         r["vs_bf16"] = r["bytes_per_token"] / bf16
     return rows
+
+
+def policy_label(name: str, policy_args: dict, budget: int) -> str:
+    """("adakv", {"scorer": "h2o"}, 128) -> 'adakv scorer=h2o budget=128' (values as JSON, strings bare)."""
+    shown = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in policy_args.items()]
+    return " ".join([name, *shown, f"budget={budget}"])
 
 
 def leased_mib(llm) -> float:
@@ -142,6 +152,18 @@ def variant(spec: str) -> tuple[str, dict]:
     return name, args
 
 
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """'adakv:{"scorer": "h2o"}' -> ("adakv", {"scorer": "h2o"}); "snapkv" -> ("snapkv", {})."""
+    name, _, items = spec.partition(":")
+    try:
+        args = json.loads(items) if items else {}
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{spec!r}: the policy's arguments are not JSON ({exc})") from None
+    if not isinstance(args, dict) or "budget" in args:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give the arguments as a JSON object, without budget (--budgets)")
+    return name, args
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -155,7 +177,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--residual-bf16", action="store_true", help="also int4 / int2 with the residual rows in bfloat16")
     p.add_argument("--variant", action="append", default=[], type=variant, metavar="NAME:KEY=VALUE,...",
                    help="also this format with these arguments (values as JSON: scale=1.0, scaling=fixed)")
-    p.add_argument("--policy", default=None, help="also every format x this policy at each of --budgets")
+    p.add_argument("--policy", action="append", default=[], type=policy_spec, metavar="NAME[:JSON]",
+                   help="also every format x this policy (its other arguments as a JSON object) at each of "
+                        "--budgets; repeatable")
     p.add_argument("--budgets", nargs="+", type=int, default=[128, 256])
     p.add_argument("--policy-formats", nargs="+", default=None, choices=[n for n, _ in FORMATS],
                    help="the formats run with --policy (default: every one of --formats)")

@@ -6,9 +6,13 @@ L WikiText-2 tokens (1 greedy token), a filler prompt that pushes its pages out 
 where there is one), then the returning turn: the history, its answer and a --user-len-token message. Its time to
 first token is what is compared (medians of --repeats, each on different text):
 - recompute: prefix caching without tiers (the history is recomputed with the new message);
-- disk: the history comes back from the disk tier (read ahead on the worker, one copy per pool tensor);
+- disk: the history comes back from the disk tier (read ahead on the worker, one copy per pool tensor; the pages
+  its fresh pages evict are written behind, on the tier's second worker);
+- disk_sync_writes: the same with the evicted pages' file writes made inline (`async_writes=False`);
 - cost_aware: the disk tier with the cost-aware placement and its measured rates (start-up calibration of the
-  tier, the engine's own steps): it restores or recomputes; the table says which, and its crossover estimate.
+  tier and of the model's forwards, then the engine's own steps): it restores, recomputes, or keeps no page in the
+  tier at all (none worth it: the pages are dropped, as without tiers); the table says which (`recompute` for
+  both of the last), and its crossover estimate.
 Outputs are checked equal across the variants.
 
     python experiments/bench_tier_crossover.py --model random:llama-tiny --block-size 4 --lengths 4,8,16,32,64 \
@@ -29,6 +33,7 @@ from kvlab.study.bench_io import uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"recompute": {}, "disk": {"offload": "disk"},
+            "disk_sync_writes": {"offload": "disk", "offload_args": {"async_writes": False}},
             "cost_aware": {"offload": "disk", "offload_placement": "cost_aware"}}
 
 
@@ -49,9 +54,14 @@ def one(loaded, text: list[int], length: int, variant: str, args, page_bytes: in
     stats = llm.stats()
     placement = llm.engine.kv.places.placement if llm.engine.kv.places is not None else None
     cross = placement.crossover_tokens(0) if hasattr(placement, "crossover_tokens") else None
+    pages = -(-length // bs)  # the history's pages: the model's two sides for this request, at the end
+    predicted = (placement.restore_seconds(0, pages), placement.recompute_seconds(pages * bs)) \
+        if hasattr(placement, "rates") else (None, None)
     llm.close()
     return {"ttft_s": out.ttft_s if out.ttft_s is not None else wall, "restored": stats.get("tier_restored", 0),
-            "recomputed": stats.get("tier_recomputed", 0), "crossover_estimate": cross, "answer": out.outputs[0].token_ids}
+            "refused": stats.get("tier_refused", 0),
+            "recomputed": stats.get("tier_recomputed", 0), "crossover_estimate": cross, "predicted": predicted,
+            "answer": out.outputs[0].token_ids}
 
 
 def main(argv=None) -> dict:
@@ -82,15 +92,24 @@ def main(argv=None) -> dict:
                 runs[v].append(one(loaded, text, length, v, args, page_bytes))
         med = {v: statistics.median(x["ttft_s"] for x in rs) for v, rs in runs.items()}
         ca = runs["cost_aware"]
-        choice = ("restore" if all(x["restored"] for x in ca) else "recompute" if all(x["recomputed"] for x in ca)
+        choice = ("restore" if all(x["restored"] for x in ca) else "recompute" if not any(x["restored"] for x in ca)
                   else "mixed")
-        faster = "restore" if med["disk"] < med["recompute"] else "recompute"
+        hit = statistics.median(x["restored"] for x in runs["disk"]) > 0  # else no variant restores: nothing to choose
+        faster = ("restore" if med["disk"] < med["recompute"] else "recompute") if hit else "n/a"
         same = all(x["answer"] == rs[0]["answer"] for rs in zip(*runs.values()) for x in rs)
         rows.append({"history_tokens": length, "ttft_recompute_ms": med["recompute"] * 1e3,
-                     "ttft_disk_restore_ms": med["disk"] * 1e3, "ttft_cost_aware_ms": med["cost_aware"] * 1e3,
+                     "ttft_disk_restore_ms": med["disk"] * 1e3,
+                     "ttft_disk_sync_writes_ms": med["disk_sync_writes"] * 1e3,
+                     "ttft_cost_aware_ms": med["cost_aware"] * 1e3,
                      "restore_speedup": med["recompute"] / med["disk"], "faster": faster, "cost_aware_chose": choice,
-                     "cost_aware_correct": choice == faster or abs(med["disk"] / med["recompute"] - 1) < 0.1,
+                     "cost_aware_correct": (choice == faster or abs(med["disk"] / med["recompute"] - 1) < 0.1) if hit
+                     else "n/a",
+                     "cost_aware_vs_faster": med["cost_aware"] / min(med["disk"], med["recompute"]),
                      "crossover_estimate_tokens": statistics.median(x["crossover_estimate"] for x in ca),
+                     "predicted_restore_ms": statistics.median(x["predicted"][0] for x in ca) * 1e3,
+                     "predicted_recompute_ms": statistics.median(x["predicted"][1] for x in ca) * 1e3,
+                     "cost_aware_refused_pages": statistics.median(x["refused"] for x in ca),
+                     "disk_restored_pages": statistics.median(x["restored"] for x in runs["disk"]),
                      "answers_identical": same})
         print(rows[-1], flush=True)
     command = " ".join(["python experiments/bench_tier_crossover.py", *(sys.argv[1:] if argv is None else argv)])
@@ -113,7 +132,12 @@ def report(results: dict, args) -> str:
         f"message; the pool holds one history (block {args.block_size}, {results['page_bytes']} bytes a page) and a "
         f"filler pushed it out. TTFT medians of {args.repeats} runs (fresh engine each, different text); "
         f"{args.threads} torch thread(s). `faster`: restore when the disk restore's TTFT is below the recompute's; "
-        f"`cost_aware_correct`: its choice is the faster one (or the two are within 10%).", "", *lines, "",
+        f"`cost_aware_correct`: its choice is the faster one (or the two are within 10%); `cost_aware_chose` "
+        f"`recompute` also where it kept no page in the tier (none worth a demotion); `cost_aware_vs_faster`: its "
+        f"TTFT over the faster of the two; `predicted_*`: its cost model's two sides for the history (restore: the "
+        f"latency and the pages; recompute: the marginal rate), `cost_aware_refused_pages`: pages it kept out of "
+        f"the tier, `disk_restored_pages`: pages the disk variant restored (0: the hit did not reach the tier, "
+        f"every variant recomputes: `faster` and `cost_aware_correct` are n/a) (medians).", "", *lines, "",
         f"Command: `{results['command']}`, run {results['date']}.", "",
         f"`uptime` before: {results['uptime_before']}; after: {results['uptime_after']}", ""])
 

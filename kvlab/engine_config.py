@@ -101,7 +101,7 @@ class EngineConfig:
     # tiers below the pool (with prefix caching): pages evicted from the prefix cache go to host memory and/or disk and
     # come back on a hit instead of being recomputed (kvlab/cache/tiers/); None: off
     offload: Literal["host", "disk", "host_disk"] | None = None
-    offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale, async_reads
+    offload_args: dict[str, Any] = field(default_factory=dict)  # kvlab.cache.tiers.offload.OffloadArgs: memory, disk_memory, path, clean_stale, async_reads, async_writes
     offload_placement: str = "lru"  # registered placement (kvlab.registry.PLACEMENTS): which tier a page goes to, which leaves
     offload_placement_args: dict[str, Any] = field(default_factory=dict)  # its dataclass parameters
     # the linear layers' weight layout (kvlab/engine/linear_layout.py): auto fuses the projections that read one input

@@ -5,10 +5,15 @@ concentrated keeps few tokens and a dispersed head keeps many -- with a safeguar
 least `alpha_safeguard` of the uniform budget.
 
 A wrapper: the scores come from another policy (`scorer`, SnapKV by default as in the paper; kvpress pairs
-it with Expected Attention). kvpress masks the evicted keys of each head (its docstring: this "does not
-reduce peak memory"); here every (layer, KV head) has a table of its own (`head_budgets`), so each head's
-evicted tokens free their pages. Compresses once, at the end of prefill (as the paper and kvpress do):
-after that the heads hold different numbers of tokens.
+it with Expected Attention). A scorer ranking keys by accumulated attention (H2O: Zhang et al. 2023,
+arXiv:2306.14048) reads it per KV head: every (layer, KV head) table keeps its own running totals (the mass its
+query heads paid each key it holds, kvlab.policies.compressor), so each head keeps the tokens its own mass
+ranks first, and a head's totals follow the tokens it keeps.
+
+kvpress masks the evicted keys of each head (its docstring: this "does not reduce peak memory"); here every
+(layer, KV head) has a table of its own (`head_budgets`), so each head's evicted tokens free their pages.
+Compresses once, at the end of prefill (as the paper and kvpress do): after that the heads hold different
+numbers of tokens.
 """
 
 from __future__ import annotations
@@ -47,14 +52,18 @@ class AdaKV(Policy):
             inner = POLICIES.build(self.scorer, **self.scorer_args)
         except KeyError as exc:  # an unknown scorer name
             raise ValueError(f"adakv scorer: {exc}") from None
-        if not inner.compresses or inner.head_budgets or inner.needs_attention_stats:
-            raise ValueError(f"adakv's scorer must be a scoring policy without per-head budgets or accumulated "
-                             f"attention statistics, got {self.scorer!r}")
+        if not inner.compresses or inner.head_budgets:
+            raise ValueError(f"adakv's scorer must be a scoring policy without per-head budgets of its own, "
+                             f"got {self.scorer!r}")
         self._inner = inner
 
     @property
     def query_window(self) -> int:
         return self._inner.query_window
+
+    @property
+    def needs_attention_stats(self) -> bool:  # the scorer's: the engine accumulates them per KV head's table
+        return self._inner.needs_attention_stats
 
     def bind(self, model: torch.nn.Module) -> None:
         self._inner.bind(model)

@@ -34,6 +34,11 @@ applies to the rest, so they stay in place, shared. Pages a sequence computed it
 as without caching: the allocator copies their survivors into fresh pages and leaves the cached
 originals findable. The block manager stops registering a sequence once it was compacted.
 
+A policy ranking keys by accumulated attention (H2O) reads running totals kept per table (`_mass[seq][group]`,
+[cached, the group's KV heads]), as the attention layers return them (`stats[group]`): a layer's, or with
+per-head budgets (adakv) each (layer, KV head)'s, so each head's totals cover exactly the tokens it holds and
+follow them through its own compaction.
+
 With kept compressed turns (EngineConfig.reuse_compressed, kvlab/cache/kept_turns.py) a policy ranking keys
 by accumulated attention goes on accumulating after a sequence's last compression, so that when it
 finishes its totals for the kept keys (`turn_state`) are kept with its tables; a request admitted onto
@@ -69,7 +74,8 @@ class Compressor:
         for g in self.groups:
             self.layers.setdefault(self.bm.groups[g].layers[0], []).append(g)
         self._queries: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [<= W, Hq, D] latest queries
-        self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> layer -> [cached, Hkv] attention received
+        self._mass: dict[int, dict[int, torch.Tensor]] = {}  # seq -> group -> [cached, its KV heads] attention
+        # received: one running total per table, so per-head tables (KV heads holding different tokens) keep theirs
         self.prefix_mass: PrefixMass | None = None  # with prefix caching: what a prefix's own queries paid its keys
         if self.bm.prefix_cache is not None and policy.needs_attention_stats:
             self._keep_prefix_mass()
@@ -141,7 +147,7 @@ class Compressor:
                    queries: dict[int, list[torch.Tensor]], stats: dict[int, torch.Tensor] | None = None,
                    kept: dict[int, list[int]] | None = None) -> None:
         """Keep the step's recorded queries (`queries[layer][i]`: [n_i, Hq, D] of seqs[i]) and attention
-        mass (`stats[layer]`: [B, Hkv, max cached]), then compress the sequences that were due.
+        mass (`stats[group]`: [B, the group's KV heads, max cached]), then compress the sequences that were due.
 
         `kept`: of each sequence that verified drafts this step, the rows of its chunk verification kept
         (kvlab.speculation.Speculator.kept_rows; the rest were rolled back): only they count, and it is
@@ -187,7 +193,8 @@ class Compressor:
                     verified: dict[int, dict[int, torch.Tensor]]) -> None:
         """Add the step's attention mass to each cached key's running total (H2O's accumulated attention); a
         verify step's kept rows' mass is recomputed row by row from their queries (`verified`: seq id -> layer ->
-        [kept, Hq, D]; verify_rows.py: the step's statistics sum every row)."""
+        [kept, Hq, D]; verify_rows.py: the step's statistics sum every row). One total per table (group): a
+        layer's, or with per-head tables each KV head's, over the tokens that head holds."""
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             if seq.num_computed_tokens == n:  # a first chunk (also after a preemption): start afresh
                 self._mass.pop(seq.seq_id, None)
@@ -195,26 +202,29 @@ class Compressor:
                 continue  # compressed for good (a kept turn's totals are kept to its end)
             mass = self._mass.setdefault(seq.seq_id, {})
             for g in self.groups:
-                layer = self.bm.groups[g].layers[0]
                 length = self.bm.cached_lens([seq], g)[0]
                 if seq.seq_id in verified:
-                    mass[layer] = self._verified_mass(seq, g, layer, length, verified[seq.seq_id], mass.get(layer))
+                    mass[g] = self._verified_mass(seq, g, length, verified[seq.seq_id], mass.get(g))
                     continue
-                step = stats[layer][i, :, :length].T.float().clone()  # [cached, Hkv] (not a view of the batch's)
-                old = mass.get(layer)
+                step = stats[g][i, :, :length].T.float().clone()  # [cached, heads] (not a view of the batch's)
+                old = mass.get(g)
                 if old is not None:
                     step[: old.shape[0]] += old
-                mass[layer] = step
+                mass[g] = step
 
-    def _verified_mass(self, seq: Sequence, g: int, layer: int, length: int, queries: dict[int, torch.Tensor],
+    def _verified_mass(self, seq: Sequence, g: int, length: int, queries: dict[int, torch.Tensor],
                        old: torch.Tensor | None) -> torch.Tensor:
-        """`old` plus the mass of the kept rows of `seq`'s verify step, each row as its decode step saw the cache."""
+        """`old` plus the mass of the kept rows of `seq`'s verify step in group `g`'s table, each row as its decode
+        step saw the cache (a per-head table: the query heads of its KV head only)."""
+        layer, head = self.bm.groups[g].layers[0], self.bm.groups[g].head
         queries = queries.get(layer)
         if queries is None:
             raise RuntimeError(f"layer {layer}: a verify step's queries were not recorded for the attention statistics")
+        if head is not None:  # [kept, Hq, D] -> [kept, Hq / Hkv, D]: the query heads reading KV head `head`
+            queries = queries.unflatten(1, (len(self.layers[layer]), -1))[:, head]
         scale, softcap = self.scales.get(layer, (None, None))
         rows = row_mass(self.cache, layer, self.bm.block_tables([seq], g)[0], length, queries, self.bm.block_size,
-                        scale, softcap)
+                        scale, softcap, head)
         return add_rows(old, rows, length)
 
     # -- accumulated attention of cached prefixes (prefix caching; kvlab.policies.prefix_mass) ------------
@@ -245,7 +255,7 @@ class Compressor:
             done = seq.num_computed_tokens
             node = self.bm.registered_node(seq, done) if done <= _prompt_end(seq) else None
             mass = self._mass.get(seq.seq_id, {})
-            if node is None or self.prefix_mass.has(node) or set(mass) != set(self.layers):
+            if node is None or self.prefix_mass.has(node) or set(mass) != set(self.groups):
                 continue
             if all(m.shape[0] == done for m in mass.values()):
                 self.prefix_mass.put(node, mass)
@@ -265,12 +275,12 @@ class Compressor:
         self.policy.begin(seq.num_computed_tokens)
         for layer, groups in self.layers.items():
             if len(groups) > 1:  # a table per KV head: each head keeps its own number of tokens
-                self._compress_heads(seq, layer, groups, queries)
+                self._compress_heads(seq, layer, groups, queries, mass)
                 continue
             g = groups[0]
             keys, values = self.gather(seq, g, layer)
             protected = self.bm.protected_slots(seq, g)
-            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(layer),
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), mass.get(g),
                                       **_protect(protected))
             if keep is None:
                 continue
@@ -278,9 +288,9 @@ class Compressor:
                 self._compact_per_head(seq, g, keep, protected)
             else:
                 self.kv.compact(seq, g, keep)
-            if layer in mass:  # the running totals follow their keys
-                index = torch.tensor(keep, dtype=torch.long, device=mass[layer].device)
-                mass[layer] = mass[layer].gather(0, index.T) if index.ndim == 2 else mass[layer][index]
+            if g in mass:  # the running totals follow their keys
+                index = torch.tensor(keep, dtype=torch.long, device=mass[g].device)
+                mass[g] = mass[g].gather(0, index.T) if index.ndim == 2 else mass[g][index]
         freed = before - self.bm.num_used_blocks()
         self.calls += 1
         self.pages_freed += freed
@@ -288,20 +298,26 @@ class Compressor:
         self.seconds += time.perf_counter() - t0
         return freed
 
-    def _compress_heads(self, seq: Sequence, layer: int, groups: list[int], queries: dict[int, torch.Tensor]) -> None:
-        """One layer whose KV heads have tables of their own (groups[h] holds head h)."""
+    def _compress_heads(self, seq: Sequence, layer: int, groups: list[int], queries: dict[int, torch.Tensor],
+                        mass: dict[int, torch.Tensor]) -> None:
+        """One layer whose KV heads have tables of their own (groups[h] holds head h). With accumulated attention
+        the policy reads the heads' totals side by side ([L, Hkv]), and each head's total follows its kept keys."""
         parts = [self.gather(seq, g, layer) for g in groups]  # per head ([L_h, 1, D], [L_h, 1, D])
         if len({k.shape[0] for k, _ in parts}) != 1:
             raise RuntimeError(f"layer {layer}: KV heads hold different numbers of tokens "
                                f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
         keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
         protected = min(self.bm.protected_slots(seq, g) for g in groups)
-        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), None, **_protect(protected))
+        stats = torch.cat([mass[g] for g in groups], dim=1) if all(g in mass for g in groups) else None  # [L, Hkv]
+        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), stats,
+                                  **_protect(protected))
         if keep is None:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)
         for g, kept in zip(groups, per_head):
             self.kv.compact(seq, g, kept)
+            if g in mass:  # head g's running total follows its kept keys
+                mass[g] = mass[g][torch.tensor(kept, dtype=torch.long, device=mass[g].device)]
 
     def _compact_per_head(self, seq: Sequence, group: int, keep: list[list[int]], protected: int = 0) -> None:
         """KV head h keeps cache indices keep[h] (every head as many): the table shrinks to that many
@@ -341,12 +357,12 @@ class Compressor:
 
     def turn_state(self, seq: Sequence) -> dict[int, torch.Tensor] | None:
         """What a request continuing finished `seq` from its kept tables needs: the accumulated attention of every
-        kept key (layer -> [cached, Hkv]), if it covers every layer's cache; else None (nothing to keep)."""
+        kept key (group -> [cached, its KV heads]), if it covers every table's cache; else None (nothing to keep)."""
         mass = self._mass.get(seq.seq_id)
-        if not mass or set(mass) != set(self.layers):
+        if not mass or set(mass) != set(self.groups):
             return None
-        lens = {self.bm.groups[g].layers[0]: self.bm.cached_lens([seq], g)[0] for g in self.groups}
-        return dict(mass) if all(m.shape[0] == lens[layer] for layer, m in mass.items()) else None
+        lens = {g: self.bm.cached_lens([seq], g)[0] for g in self.groups}
+        return dict(mass) if all(m.shape[0] == lens[g] for g, m in mass.items()) else None
 
     def seed_turn(self, seq: Sequence, state: dict[int, torch.Tensor] | None) -> None:
         """`seq` was admitted onto a kept turn: its running totals start from the turn's (never written in place)."""

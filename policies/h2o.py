@@ -19,9 +19,10 @@ class H2O(Policy):
     """recent: the most recent tokens always kept (the paper splits the budget between heavy hitters and a
     recent window; here `recent` tokens of the budget go to the window). Best used with when="decode".
 
-    The engine accumulates each cached key's attention mass in every layer (the attention-statistics
-    output of the paged-attention kernels, or their torch reference), which costs a second pass over the
-    keys in every step on the torch path.
+    The engine accumulates each cached key's attention mass in every layer's table, or in every (layer, KV
+    head)'s under per-head budgets (adakv with scorer h2o: each head's own mass), from the attention-statistics
+    output of the paged-attention kernels or their torch reference, which costs a second pass over the keys in
+    every step on the torch path.
     """
 
     recent: int = 16

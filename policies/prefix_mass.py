@@ -5,10 +5,12 @@ arXiv:2306.14048) sums, for every cached key, the attention mass every query sin
 A prefix hit skips the queries of the tokens it reuses, so the sequence that took the hit would lack what
 those queries paid. This store keeps, per prefix-cache node (the block ending at token b of a prefix),
 
-    mass[layer]: [b, Hkv] float32 = what the queries at positions < b paid the keys at positions < b
+    mass[group]: [b, its KV heads] float32 = what the queries at positions < b paid the keys at positions < b
 
-(summed as the compressor sums it: step by step), so a hit of b tokens starts its accumulators from exactly
-what a recompute of those b tokens would have accumulated; queries after the prefix add theirs as usual.
+(one entry per table: a layer's, or with per-head budgets one (layer, KV head)'s; a KV head's mass is what its
+query heads paid, summed as the compressor sums it: step by step), so a hit of b tokens starts its accumulators
+from exactly what a recompute of those b tokens would have accumulated; queries after the prefix add theirs as
+usual.
 
 Who writes, reads and drops it (the compressor wires it; the block manager and prefix index stay torch-free):
 - `put`: the compressor, after a step that ends on a page boundary of a sequence still registering its pages
@@ -28,7 +30,8 @@ from kvlab.cache.prefix_cache import Node
 
 
 class PrefixMass:
-    """node -> {layer: [b, Hkv] attention mass of the block ending at token b from the prefix's own queries}."""
+    """node -> {group: [b, its KV heads] attention mass of the block ending at token b from the prefix's own
+    queries}."""
 
     def __init__(self) -> None:
         self._mass: dict[Node, dict[int, torch.Tensor]] = {}

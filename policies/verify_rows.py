@@ -46,17 +46,19 @@ def kept_queries(queries: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def row_mass(cache, layer: int, table: list[int], length: int, queries: torch.Tensor, block_size: int,
-             scale: float | None, softcap: float | None) -> torch.Tensor:
+             scale: float | None, softcap: float | None, head: int | None = None) -> torch.Tensor:
     """Attention mass each cached key of one sequence received from each kept row -> [r, Hkv, length] float32
     (row i counted over cache indices < length - r + 1 + i, zero after). `queries` [r, Hq, D]: the kept rows'
-    queries (RoPE applied), the last r tokens of the `length` cached (`table`: the sequence's pages)."""
+    queries (RoPE applied), the last r tokens of the `length` cached (`table`: the sequence's pages). `head`: a
+    per-head table of that KV head (its pages hold one head; `queries` [r, Hq / Hkv, D] its query heads) -> [r, 1,
+    length]."""
     r = queries.shape[0]
     lens = [length - r + 1 + i for i in range(r)]  # row i as its own one-query step
     plan = plan_paged_attention(list(range(r + 1)), lens, [table] * r, block_size, None, queries.device,
                                 null_block=cache.null_page)
     scale = scale if scale is not None else queries.shape[-1] ** -0.5
     _, stats = ops.run_paged_attention(queries, cache.k(layer), cache.v(layer), plan, scale, softcap,
-                                       *cache.head_scales(layer), return_stats=True)
+                                       *cache.head_scales(layer, head), return_stats=True)
     return stats[:, :, :length]  # [r, Hkv, length]
 
 

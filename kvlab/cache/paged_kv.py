@@ -110,27 +110,40 @@ class PagedKV:
             seconds[t] = time.perf_counter() - started + read + self.tiers[t].read_seconds(keys)
         return seconds
 
-    def calibrate(self, sizes: tuple[int, ...] = (1, 4)) -> None:
-        """Time restores of runs of `sizes` pages through each tier (the null page, written back as it is: no
-        pool content changes) and tell the placement (`observe_restore`): the cost model's start-up rates."""
+    def calibrate(self, sizes: tuple[int, ...] = (1, 8), repeats: int = 3) -> None:
+        """Time demotions and restores of runs of `sizes` pages through each tier, `repeats` times after one
+        unobserved warm-up (the null page, written back as it is: no pool content changes), and tell the
+        placement (`observe_demote`, `observe_restore`): the cost model's start-up rates. A restore is timed
+        as a request pays it: the reads ahead started, waited for (the worker's round trip), and copied in;
+        written-behind pages are flushed first, so the reads come from the files."""
         null = self.cache.page_tensors()[0].shape[0] - 1
+        placement = self.places.placement
         for t, tier in enumerate(self.tiers):
-            for n in sizes:
-                keys = [("calibrate", i) for i in range(n)]
+            for i, n in enumerate([sizes[0], *[n for _ in range(repeats) for n in sizes]]):
+                keys = [("calibrate", j) for j in range(n)]
                 if len(tier) + n > tier.capacity:
                     continue
+                started = time.perf_counter()
                 for key in keys:
                     tier.put(key, lambda row: self.rows.gather([null], row))
+                demoted = time.perf_counter() - started
+                tier.flush()
                 started = time.perf_counter()
                 for key in keys:
                     tier.start_read(key)
-                while not all(tier.ready(key) for key in keys) and tier.in_flight:
-                    tier.wait()
-                    tier.poll()
-                tier.poll()
+                failed = set()
+                while not all(tier.ready(key) or key in failed for key in keys):
+                    failed |= {key for key, error in tier.poll() if error is not None}
+                    if not all(tier.ready(key) or key in failed for key in keys):
+                        tier.wait()
                 for key in keys:
-                    tier.load(key, lambda row: self.rows.scatter(row, [null]))
-                self.places.placement.observe_restore(t, n, time.perf_counter() - started)
+                    if key not in failed:
+                        tier.load(key, lambda row: self.rows.scatter(row, [null]))
+                    else:
+                        tier.drop(key)
+                if i and not failed:  # the first run warms the worker up
+                    placement.observe_demote(t, n, demoted)
+                    placement.observe_restore(t, n, time.perf_counter() - started)
 
     def spill(self, key: Hashable, src: int, dst: int) -> None:
         """Move `key` from `tiers[src]` to the slower `tiers[dst]` (row to row)."""

@@ -35,7 +35,9 @@ class StepMetadata:
     query_rows: torch.Tensor | None = None  # [W] packed tokens whose queries the cache policy needs
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [W, Hq, D], filled by the layers
     collect_stats: bool = False  # the cache policy accumulates attention statistics (H2O)
-    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached], filled by the layers
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, its KV heads (Hkv, or 1 with
+    # per-head tables), its max cached], filled by the layers: one table's statistics each, so per-head tables
+    # (a layer's KV heads holding different numbers of tokens) keep theirs apart
     sparse: SparseStep | None = None  # decode rows read only the pages a sparse-reading policy selects
     batch_invariant: bool = False  # every query row attends alone (kvlab.engine.batch_invariant)
     offsets: list[int] | None = None  # batch-invariant: [T] each token's offset in token time in its chunk (a tree
@@ -198,7 +200,7 @@ def paged_attention_forward(
                                       softcap, *meta.cache.head_scales(layer, head),
                                       return_stats=meta.collect_stats)  # [T, Hq or g, D]
         if meta.collect_stats:  # attention mass each cached key received from this step's queries
-            out, meta.stats[layer] = out
+            out, meta.stats[group] = out
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
     return out.unsqueeze(0), None
@@ -218,7 +220,7 @@ def rows_alone(meta: StepMetadata, layer: int, group: int, head: int | None, q, 
     if meta.collect_stats:  # the policy's statistics from the reference (their sums are not made row-invariant)
         from kvlab.kernels.reference.attention_stats import attention_stats_from_plan
 
-        meta.stats[layer] = attention_stats_from_plan(q, cache.k(layer), plan, scaling, softcap, scales[0], None)
+        meta.stats[group] = attention_stats_from_plan(q, cache.k(layer), plan, scaling, softcap, scales[0], None)
     return out
 
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvlab.engine.build import build
+from kvlab.engine.calibrate import calibrate_compute
 from kvlab.engine.capabilities import check
 from kvlab.engine.lifecycle import Lifecycle
 from kvlab.engine_config import EngineConfig
@@ -68,6 +69,7 @@ class LLMEngine:
         self.lifecycle = Lifecycle()  # who keeps per-sequence state hears of each sequence's end (lifecycle.py)
         for subscriber in (self, self.compressor, self.speculator):
             self.lifecycle.subscribe(subscriber)
+        calibrate_compute(self)  # a placement's start-up recompute rate (kvlab/engine/calibrate.py)
 
     def _new_metrics(self) -> Metrics:
         bm = self.block_manager

@@ -27,7 +27,7 @@ class StepOutput:
     sample_rows: list[tuple[Sequence, int]]  # sequences that sample a token, and their logits row
     score_rows: list[tuple[Sequence, list[int], list[int]]]  # scoring: (seq, rows, target token ids)
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> per seq [W, Hq, D]
-    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, max cached] attention mass
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [B, its KV heads, max cached] mass
     verify_rows: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # drafted: (seq, k + 1 rows)
 
 
@@ -44,7 +44,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None, stats: bool = False) -> StepOutput:
         """One forward pass; `query_rows[i]`: keep the queries of the last that many tokens of
         sequence i's chunk in every layer (for the cache policy), 0 for none; `stats`: return the
-        attention mass every cached key received in every layer."""
+        attention mass every cached key received in every table (layer, or per-head table)."""
         input_ids, positions, meta, keep, sample_rows, score_rows, verify_rows = self.prepare(batch)
         meta.collect_stats = stats
         counts = []

@@ -11,7 +11,8 @@ recomputed later, so no request is lost or corrupted.
 With tiers below the pool, a waiting sequence whose prefix hit needs pages still being read from a slow tier
 (kvlab.cache.tiers: a disk read on the tier's worker thread) is passed over, as if those pages were not
 allocated yet: the sequences behind it may be admitted, and it is looked at again next step. No step ever
-reads a page that has not arrived.
+reads a page that has not arrived. A page still being written to disk (written behind) is not waited for: its
+row is in memory, and the tier serves the hit from it.
 
 `max_prefill_chunk` caps the tokens one sequence computes in a step while it has more than one
 to compute (a prompt, or a recompute), so that several prompts share a step and, with a policy

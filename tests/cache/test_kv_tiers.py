@@ -154,6 +154,7 @@ def test_a_lost_disk_page_is_recomputed_with_a_warning():
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     got = [[o.token_ids for o in llm.generate(b, params)] for b in BATCHES[:2]]
     tier = llm.engine.kv.tiers[0]
+    tier.flush()  # the writes behind have landed: the damage is to written files
     files = sorted(tier.folder.glob("*.page"))
     assert files
     for i, f in enumerate(files):  # every page file deleted or truncated

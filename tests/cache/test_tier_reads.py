@@ -139,6 +139,7 @@ def test_a_page_file_damaged_after_demotion_is_recomputed_at_read_time(async_rea
     llm = LLM("random:llama-tiny", offload="disk", offload_args={"async_reads": async_reads}, **ENGINE)
     second = returning_turn(llm)
     tier = llm.engine.kv.tiers[0]
+    tier.flush()  # the writes behind have landed: the damage is to written files
     files = sorted(tier.folder.glob("*.page"))
     assert files
     for f in files:

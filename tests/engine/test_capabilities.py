@@ -15,6 +15,7 @@ from kvlab.engine.capabilities import REFUSED, deviations_markdown, refused_mark
 MISSING = "does-not-exist"  # a model that cannot load: an error about the combination came first
 
 SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
+ADAKV = dict(policy="adakv", policy_args={"compression_ratio": 0.5, "scorer": "h2o"})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
     "offloading without prefix caching": (dict(offload="host"), dict(offload="host", enable_prefix_caching=True)),
@@ -30,9 +31,7 @@ CASES = {
                                                                dict(reuse_compressed=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "per-head budgets with accumulated attention statistics": (
-        dict(policy="test-per-head-h2o", policy_args={"budget": 32}),
-        dict(policy="adakv", policy_args={"compression_ratio": 0.5})),
+    "reusing compressed turns with per-head budgets": (dict(reuse_compressed=True, **ADAKV), dict(**ADAKV)),
 }
 UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
     "sparse reading with accumulated attention statistics",
@@ -44,7 +43,6 @@ UNREACHABLE = {  # no built-in plugin has the combination: the predicate is chec
 def plugins():
     from kvlab.cache.allocators.base import Allocator
     from kvlab.cache.allocators.paged import PagedAllocator
-    from kvlab.policies.h2o import H2O
     from kvlab.policies.snapkv import SnapKV
     from kvlab.registry import ALLOCATORS, POLICIES
 
@@ -57,13 +55,8 @@ def plugins():
         def select(self, scores, budget):  # no `protected`
             return super().select(scores, budget)
 
-    @POLICIES.register("test-per-head-h2o")
-    class PerHeadH2O(H2O):
-        head_budgets = True
-
     yield
-    for registry, name in ((ALLOCATORS, "test-cannot-compact"), (POLICIES, "test-unprotecting"),
-                           (POLICIES, "test-per-head-h2o")):
+    for registry, name in ((ALLOCATORS, "test-cannot-compact"), (POLICIES, "test-unprotecting")):
         registry._classes.pop(name, None)
 
 

@@ -36,3 +36,16 @@ def test_formats_residual_variants_and_policy_rows(tmp_path):
     assert all(r["ppl"] is None for r in rows[5:]) and all(r["ppl"] > 1 for r in rows[:5])
     assert rows[5]["kl"] > 0  # snapkv at 16 of 48 tokens changes the next-token distributions
     assert "| snapkv budget=16 |" in out.with_suffix(".md").read_text()
+
+
+def test_a_policy_spec_carries_its_other_arguments():
+    import pytest
+    from bench_quant_quality import parse_args, policy_label
+
+    args = parse_args(["--policy", "snapkv", "--policy", 'adakv:{"scorer": "h2o", "scorer_args": {"recent": 8}}'])
+    assert args.policy == [("snapkv", {}), ("adakv", {"scorer": "h2o", "scorer_args": {"recent": 8}})]
+    assert policy_label("snapkv", {}, 16) == "snapkv budget=16"
+    assert policy_label(*args.policy[1], 128) == 'adakv scorer=h2o scorer_args={"recent": 8} budget=128'
+    for bad in ('adakv:{"budget": 8}', "adakv:[1]", "adakv:{nope"):
+        with pytest.raises(SystemExit):  # argparse reports the ArgumentTypeError and exits
+            parse_args(["--policy", bad])

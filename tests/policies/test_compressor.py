@@ -161,7 +161,7 @@ def test_accumulated_attention_follows_its_keys_through_a_compaction():
     policy = ByMass(budget=4, when="decode", every=2, per_head=False)
     bm, cache, comp, seq, kvs = prefill(policy, n=8, seed=3)
     mass = torch.tensor([5.0, 0.1, 9.0, 0.2, 7.0, 0.3, 0.4, 6.0])  # keeps 0, 2, 4, 7
-    stats = {layer: mass.expand(HKV, 8)[None].clone() for layer in LAYERS}  # [B, Hkv, cached]
+    stats = {layer: mass.expand(HKV, 8)[None].clone() for layer in LAYERS}  # group -> [B, Hkv, cached] (g = layer)
     comp.after_step([seq], [8], [True], {}, stats)
     for layer in LAYERS:
         assert torch.equal(read(bm, cache, seq, layer)[0], kvs[layer][0][[0, 2, 4, 7]])

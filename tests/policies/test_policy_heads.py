@@ -184,7 +184,7 @@ def test_adakv_with_a_covering_budget_is_the_full_cache():
 
 @pytest.mark.parametrize("args, message", [
     ({"budget": 8, "when": "decode"}, "compresses once, at the end of prefill"),
-    ({"budget": 8, "scorer": "h2o"}, "accumulated attention statistics"),
+    ({"budget": 8, "scorer": "adakv"}, "without per-head budgets of its own"),
     ({"budget": 8, "alpha_safeguard": 1.5}, r"alpha_safeguard must be in \[0, 1\]"),
     ({"budget": 8, "scorer": "nope"}, "nope"),
 ])

@@ -224,3 +224,33 @@ def test_a_kept_rows_mass_is_its_own_one_query_attention_added_in_token_order():
         step_mass[:want.shape[0]] += want
         want = step_mass
     assert torch.equal(total, want)
+
+
+def test_a_kept_rows_mass_in_per_head_tables_is_each_kv_heads_own():
+    """Per-head budgets (a table per (layer, KV head), pages of one head): the compressor recomputes a verify step's
+    kept rows' mass per table from the query heads of that table's KV head only, each head as the full-heads
+    softmax gives it (kvlab.policies.compressor.Compressor._verified_mass)."""
+    load_plugins()
+    groups = [LayerGroup((0,), head=h) for h in range(HKV)]
+    bm = BlockManager(groups, PagedAllocator(), 16, BS, 64, 64)
+    cache = KVCache(groups, 16, BS, HKV, DIM, QUANT_FORMATS.build("fp32"), torch.float32, "cpu")
+    comp = Compressor(Recording(budget=4, when="decode", every=2), PagedKV(bm, cache), torch.float32)
+    seq = Sequence(0, list(range(3, 13)), Params(max_tokens=4), 14, 0.0)
+    bm.allocate(seq, 10)
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(10, HKV, DIM, generator=gen)
+    slots = [torch.tensor(bm.slot_ids(seq, g, 0, 10)) for g in range(HKV)]
+    cache.begin_step(slots)
+    for h in range(HKV):
+        cache.store(0, keys, torch.randn(10, HKV, DIM, generator=gen), slots[h], head=h)
+    q = torch.randn(3, HQ, DIM, generator=gen)  # the kept rows: the last three tokens
+    k = keys.repeat_interleave(HQ // HKV, dim=1)  # [10, Hq, D]
+    for h, g in enumerate(range(HKV)):
+        got = comp._verified_mass(seq, g, 10, {0: q}, None)  # [10, 1]
+        want = torch.zeros(10)
+        for i in range(3):
+            seen = 8 + i
+            p = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k[:seen]) * DIM ** -0.5, dim=-1)  # [Hq, seen]
+            want[:seen] += p.view(HKV, HQ // HKV, seen).sum(1)[h]
+        assert got.shape == (10, 1)
+        torch.testing.assert_close(got[:, 0], want)

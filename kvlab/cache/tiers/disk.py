@@ -8,6 +8,18 @@ Reads ahead (`start_read`) run on one worker thread (`async_reads`, the default;
 fresh row buffer each, handed back on `poll`; the step never reads a page whose read has not finished (the
 scheduler waits for it, kvlab.engine.scheduler). With `async_reads=False` a read ahead is made at once.
 
+Writes are write-behind (`async_writes`, the default): `put` copies the page into a fresh row buffer on the step's
+thread (the pool page is reused at once) and hands the file write to a second worker thread, so a demotion costs
+the returning request one row copy, not a file write. A page being written is in the tier ("in flight"): it is
+counted, findable and *ready* - a hit on it is served from the row buffer the write still holds, which is the
+page's bytes (nothing writes into it once filled), so a hit never waits for a write. A `load` or `drop` of such a
+page cancels its write if it has not started, else queues the file's removal behind it on the same worker (one
+worker, first in first out: the removal runs after the write). Finished writes let go of their buffers when the
+tier next looks (`poll`, `put`); at most `max_pending_bytes` of buffers are held (a `put` beyond that waits for
+the oldest write). A write that failed (a full disk) leaves no file: the page's later read fails and it is
+recomputed with a warning, as for a file deleted after its write. With `async_writes=False` a `put` writes at
+once. `flush()` waits for every write in flight.
+
 The folder holds a marker with the owning process id. A folder with page files from a process that is no
 longer running (a killed run) is refused with a clear message, or cleaned when `clean_stale` is set; one in
 use by a live process is always refused. `close` (and the engine's `close`, and interpreter exit through a
@@ -74,6 +86,17 @@ def _cleanup(folder: Path, made: bool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def write_row(file: Path, buf: torch.Tensor) -> None:
+    """One row into `file` with one `write`, through the OS page cache (no fsync: the tier is a cache, not a log);
+    a partial file is removed if the write fails."""
+    try:
+        with open(file, "wb", buffering=0) as f:
+            f.write(memoryview(buf.numpy()).cast("B"))
+    except BaseException:
+        file.unlink(missing_ok=True)
+        raise
+
+
 def read_row(file: Path, row_bytes: int) -> tuple[torch.Tensor, float]:
     """One page file into a fresh [1, row_bytes] buffer (one `readinto`), and the seconds it took; TierReadError
     if it is not whole."""
@@ -90,23 +113,34 @@ def read_row(file: Path, row_bytes: int) -> tuple[torch.Tensor, float]:
     return buf, time.perf_counter() - started
 
 
+def _read_until(file: Path, row_bytes: int) -> tuple[torch.Tensor, float]:
+    """`read_row` on the worker: the row and the moment (perf_counter, one clock for every thread) it was read."""
+    buf, _ = read_row(file, row_bytes)
+    return buf, time.perf_counter()
+
+
 class DiskTier(Tier):
     """Page files of exactly `row_bytes` bytes in `folder`, at most `capacity` of them; reads ahead on a worker."""
 
     kind = "disk"
 
     def __init__(self, capacity: int, row_bytes: int, path: str | None = None, clean_stale: bool = False,
-                 async_reads: bool = True):
+                 async_reads: bool = True, async_writes: bool = True, max_pending_bytes: int = 64 << 20):
         super().__init__(capacity, row_bytes)
         self.folder, made = claim_folder(path, clean_stale)
         self.files: dict[Hashable, Path] = {}
         self.staged: dict[Hashable, torch.Tensor] = {}  # read ahead, in memory: [1, row_bytes]
         self.reading: dict[Hashable, Future] = {}  # reads in flight
+        self.started: dict[Hashable, float] = {}  # when each read in flight was started (perf_counter)
         self.done: list[tuple[Hashable, str | None]] = []  # finished reads not yet polled
-        self.read_s: dict[Hashable, float] = {}  # seconds each finished read took
-        self.async_reads = async_reads
-        self.worker: ThreadPoolExecutor | None = None
-        self._buf = torch.empty((1, row_bytes), dtype=torch.uint8)  # the staging row of `put`
+        self.read_s: dict[Hashable, tuple[float, float]] = {}  # finished reads ahead: (started, finished)
+        self.writing: dict[Hashable, tuple[Future, torch.Tensor]] = {}  # writes in flight: the write, its row
+        self.async_reads, self.async_writes = async_reads, async_writes
+        self.max_pending = max(1, max_pending_bytes // max(row_bytes, 1))  # rows of writes in flight at most
+        self.worker: ThreadPoolExecutor | None = None  # reads
+        self.writer: ThreadPoolExecutor | None = None  # writes, and the removal of files whose write was in flight
+        self.write_errors = 0  # writes that failed (their pages are recomputed when read)
+        self._buf = torch.empty((1, row_bytes), dtype=torch.uint8)  # the staging row of a synchronous `put`
         self._next = 0
         self._finalizer = weakref.finalize(self, _cleanup, self.folder, made)
 
@@ -115,24 +149,60 @@ class DiskTier(Tier):
             raise RuntimeError(f"disk tier full ({self.capacity} pages): the placement must make room first")
         self._next += 1
         file = self.folder / f"{self._next}{SUFFIX}"
-        write(self._buf)
-        with open(file, "wb", buffering=0) as f:  # through the OS page cache (no fsync: the tier is a cache, not a log)
-            f.write(memoryview(self._buf.numpy()).cast("B"))
+        if not self.async_writes:
+            write(self._buf)
+            write_row(file, self._buf)
+            self.drop(key)
+            self.files[key] = file
+            return
+        buf = torch.empty((1, self.row_bytes), dtype=torch.uint8)
+        write(buf)
+        self._reap()
+        while len(self.writing) >= self.max_pending:  # bounded memory: wait for the oldest write
+            wait([next(iter(self.writing.values()))[0]])
+            self._reap()
         self.drop(key)
+        if self.writer is None:
+            self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-disk-tier-write")
+        self.writing[key] = (self.writer.submit(write_row, file, buf), buf)
         self.files[key] = file
 
-    def readable(self, key: Hashable) -> bool:
+    def _reap(self) -> None:
+        """Let go of the rows of finished writes (a failed one leaves no file: its page is recomputed when read)."""
+        for key, (fut, _) in list(self.writing.items()):
+            if fut.done():
+                del self.writing[key]
+                if fut.exception() is not None:
+                    self.write_errors += 1
+
+    def flush(self) -> None:
+        """Wait until every write in flight is on disk (or failed)."""
+        if self.writing:
+            wait([fut for fut, _ in self.writing.values()])
+        self._reap()
+
+    def _forget_write(self, key: Hashable) -> None:
+        """`key`'s write in flight is no longer wanted: cancelled, or its file removed once it is written."""
+        fut, _ = self.writing.pop(key)
         file = self.files.get(key)
-        return key in self.staged or (file is not None and file.is_file() and file.stat().st_size == self.row_bytes)
+        if not fut.cancel() and file is not None:
+            self.writer.submit(file.unlink, missing_ok=True)  # runs after the write (one worker, in order)
+        if file is not None:
+            del self.files[key]
 
     def load(self, key: Hashable, read: Fill) -> None:
+        if key in self.writing:  # still being written: its row is in memory
+            read(self.writing[key][1])
+            self._forget_write(key)
+            self.staged.pop(key, None)
+            return
         if key in self.reading:  # finish the read ahead first
             wait([self.reading[key]])
             self._collect()
         if key in self.staged:
             buf = self.staged.pop(key)
-        else:
-            buf, self.read_s[key] = read_row(self.files[key], self.row_bytes)
+        else:  # a read now, inside the caller's timing
+            buf, _ = read_row(self.files[key], self.row_bytes)
         read(buf)
         self.files.pop(key).unlink(missing_ok=True)
 
@@ -140,9 +210,12 @@ class DiskTier(Tier):
         fut = self.reading.pop(key, None)
         if fut is not None:
             fut.cancel()  # a read already running finishes into a buffer nobody keeps
+        self.started.pop(key, None)
         self.staged.pop(key, None)
         self.read_s.pop(key, None)
         self.done = [(k, e) for k, e in self.done if k != key]
+        if key in self.writing:
+            self._forget_write(key)
         file = self.files.pop(key, None)
         if file is not None:
             file.unlink(missing_ok=True)
@@ -152,36 +225,47 @@ class DiskTier(Tier):
 
     # -- reading ahead -----------------------------------------------------------
     def ready(self, key: Hashable) -> bool:
+        if key in self.writing and key not in self.staged:  # a hit on a page being written: its row stays in
+            self.staged[key] = self.writing[key][1]  # memory until loaded, even once the write has finished
         return key in self.staged
 
     def start_read(self, key: Hashable) -> None:
-        if key in self.staged or key in self.reading or any(k == key for k, _ in self.done):
+        if key in self.staged or key in self.reading or key in self.writing or any(k == key for k, _ in self.done):
             return
+        started = time.perf_counter()
         if not self.async_reads:
             try:
-                self.staged[key], self.read_s[key] = read_row(self.files[key], self.row_bytes)
+                self.staged[key], _ = read_row(self.files[key], self.row_bytes)
+                self.read_s[key] = (started, time.perf_counter())
                 self.done.append((key, None))
             except TierReadError as exc:
                 self.done.append((key, str(exc)))
             return
         if self.worker is None:
             self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-disk-tier")
-        self.reading[key] = self.worker.submit(read_row, self.files[key], self.row_bytes)
+        self.started[key] = started
+        self.reading[key] = self.worker.submit(_read_until, self.files[key], self.row_bytes)
 
     def _collect(self) -> None:
         for key, fut in list(self.reading.items()):
             if fut.done():
                 del self.reading[key]
+                started = self.started.pop(key, 0.0)
                 exc = fut.exception()
                 if exc is None:
-                    self.staged[key], self.read_s[key] = fut.result()
+                    self.staged[key], finished = fut.result()
+                    self.read_s[key] = (started, finished)
                 self.done.append((key, None if exc is None else str(exc)))
 
     def read_seconds(self, keys: list[Hashable]) -> float:
-        return sum(self.read_s.pop(key, 0.0) for key in keys)
+        """Wall seconds the reads ahead of `keys` took: from the first one's start to the last one's end on the
+        worker (the round trip and the queue included), forgotten once told."""
+        spans = [self.read_s.pop(key) for key in keys if key in self.read_s]
+        return max(e for _, e in spans) - min(b for b, _ in spans) if spans else 0.0
 
     def poll(self) -> list[tuple[Hashable, str | None]]:
         self._collect()
+        self._reap()
         done, self.done = self.done, []
         return done
 
@@ -196,9 +280,14 @@ class DiskTier(Tier):
     def close(self) -> None:
         for fut in self.reading.values():
             fut.cancel()
-        if self.worker is not None:
-            self.worker.shutdown(wait=True)
-            self.worker = None
+        for fut, _ in self.writing.values():
+            fut.cancel()
+        for pool in (self.worker, self.writer):
+            if pool is not None:
+                pool.shutdown(wait=True)  # a write already running finishes; _cleanup then removes its file
+        self.worker = self.writer = None
+        self.writing.clear()
+        self.started.clear()
         self.reading.clear()
         self.staged.clear()
         self.read_s.clear()

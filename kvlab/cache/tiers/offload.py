@@ -25,6 +25,7 @@ class OffloadArgs:
     path: str | None = None  # disk tier folder (None: a fresh temporary folder, removed at close)
     clean_stale: bool = False  # remove page files a killed run left in `path` (else such a folder is refused)
     async_reads: bool = True  # disk reads on a worker thread (a request waits for its pages, others run)
+    async_writes: bool = True  # disk writes behind, on a second worker thread (a demotion costs a row copy)
 
     def __post_init__(self) -> None:
         from kvlab.engine_config import parse_bytes
@@ -60,5 +61,6 @@ def make_tiers(offload: str, args: dict, page_nbytes: int, pin: bool) -> list[Ti
         if kind == "host":
             tiers.append(HostTier(a.memory // page_nbytes, page_nbytes, pin=pin))
         else:
-            tiers.append(DiskTier(a.disk_memory // page_nbytes, page_nbytes, a.path, a.clean_stale, a.async_reads))
+            tiers.append(DiskTier(a.disk_memory // page_nbytes, page_nbytes, a.path, a.clean_stale, a.async_reads,
+                                   a.async_writes))
     return tiers

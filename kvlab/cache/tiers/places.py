@@ -21,6 +21,7 @@ tiers' own counts equal the records.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Protocol
@@ -86,7 +87,9 @@ class Places:
         if tier is None or not self._make_room(tier):
             self.stats.refused += 1
             return False
+        started = time.perf_counter()
         self.mover.demote(page, tier, key)
+        self.placement.observe_demote(tier, 1, time.perf_counter() - started)
         self._add(key, tier)
         self.stats.demoted += 1
         return True

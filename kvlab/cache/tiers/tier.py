@@ -6,7 +6,9 @@ its codes, scales and zero points) at fixed offsets, so a quantised page moves a
 back bit for bit. A tier sees rows only: `put(key, write)` hands `write` a `[1, row_bytes]` buffer to fill (the
 host tier's own slab row, the disk tier's staging row), `load(key, read)` hands `read` the page's row.
 
-Slow tiers (disk) read ahead: `start_read(key)` begins bringing a page's row into memory (on a worker thread, or
+Slow tiers (disk) write behind: `put` may return before the page is on disk (the disk tier's worker writes it);
+such a page is held, counted and ready (served from the row the write still holds); `flush()` waits for the writes.
+Slow tiers read ahead: `start_read(key)` begins bringing a page's row into memory (on a worker thread, or
 at once), `ready(key)` says it is there (a `load` then needs no I/O), `poll()` reports the reads that finished
 since the last call (with their error, if the file was deleted or truncated), `wait()` blocks until one does.
 The scheduler admits a request only once every page of its hit is ready (docs/design.md, "Tiers below the pool").
@@ -81,6 +83,9 @@ class Tier(ABC):
     def in_flight(self) -> int:
         """Reads started and not yet reported by `poll`."""
         return 0
+
+    def flush(self) -> None:
+        """Wait until every write in flight is done (a write-behind tier; no-op elsewhere)."""
 
     def close(self) -> None:
         """Drop every page and give back what the tier holds (a disk tier's files, its worker)."""

@@ -17,7 +17,12 @@ pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are nu
     restore_pays(pages, tokens) -> bool   a hit would restore `pages` ({tier: count}) to skip computing
                                    `tokens` tokens: restore (True, default) or recompute them
     observe_compute(tokens, s)     a step computed `tokens` tokens in `s` seconds (the engine's observed rate)
-    observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds
+    observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds (the reads' wall time included)
+    observe_demote(tier, n, s)     `n` pages went down to `tier` in `s` seconds (what the step paid: a row copy,
+                                   and the file write where the tier does not write behind)
+    compute_sizes() -> sizes       the next round of prompt lengths the engine times forwards of at start, asked
+                                   until it is empty (calibration; default none), each told to
+    observe_calibration(tokens, s)
 
 Keys are stable per (prefix-cache node, layer group): a block that goes down, comes back and goes down
 again keeps its key, so a policy can learn how often it returns.
@@ -85,6 +90,18 @@ class Placement(ABC):
 
     def observe_restore(self, tier: int, pages: int, seconds: float) -> None:
         """`pages` pages came back from `tier` in `seconds` (one run)."""
+
+    def observe_demote(self, tier: int, pages: int, seconds: float) -> None:
+        """`pages` pages went down to `tier` in `seconds` (what the step's thread paid)."""
+
+    def compute_sizes(self) -> tuple[int, ...]:
+        """Prompt lengths (tokens) whose forward the engine times at start, each told to `observe_compute`
+        (none: the placement learns from the engine's steps only)."""
+        return ()
+
+    def observe_calibration(self, tokens: int, seconds: float) -> None:
+        """A start-up forward of `tokens` tokens took `seconds` (`compute_sizes`)."""
+        self.observe_compute(tokens, seconds)
 
 
 PLACEMENTS.base = Placement
