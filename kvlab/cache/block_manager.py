@@ -201,6 +201,16 @@ class BlockManager:
         return (f"request needs {need} blocks of {self.block_size} tokens ({what}), but the KV pool has only "
                 f"{a.usable_blocks}{reserve}; {fix}")
 
+    def lone_need(self, seq: Sequence) -> str:
+        """What `seq` needs alone in the pool, as `capacity_error` counted it, against what the pool has now (the
+        message of a request admitted and then stuck in an empty pool: a capacity bug)."""
+        need, rows = self._peak(seq)
+        a = self.allocator
+        held = f" and {rows} residual rows of {self.rows.pages_per_row} pages" if rows else ""
+        return (f"{seq.num_tokens} tokens ({seq.num_computed_tokens} computed, {seq.num_preemptions} preemptions), "
+                f"{seq.max_len} at most; capacity_error admitted it needing {need} blocks of {self.block_size} "
+                f"tokens at its peak{held}, of {a.usable_blocks} usable ({a.num_admissible_blocks} admissible now)")
+
     def _tables_at(self, seq: Sequence, length: int) -> int:
         """Blocks `seq`'s tables take at `length` tokens (at least what the allocator reserves at admission)."""
         a = self.allocator

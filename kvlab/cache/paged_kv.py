@@ -236,6 +236,22 @@ class PagedKV:
         self.cache.clear_slots(rejected)
         self.cache.seal(sealed)
 
+    def seal_accepted(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain's first `num_accepted` of `num_drafted` tentative tokens are committed: the pages they
+        pushed out of the residual window are sealed now, as `move_path` seals a tree's (the batch-invariant
+        window counted committed tokens only, kvlab.engine.attention.left_window). Their rows come back at the
+        next step's start, so a sequence holds only its window's rows when it next grows (the block manager's
+        `capacity_error` counts no more: RowClaims.lone_rows); left open, they would wait for the next write.
+        Sealing earlier changes no bit read (a page that left the window is read quantised either way)."""
+        bm, sealed = self.block_manager, set()
+        if self.cache.residual is None or not num_accepted:
+            return
+        for g in range(len(bm.groups)):
+            root = bm.cached_lens([seq], g)[0] - num_drafted - 1  # the last committed token's cache index
+            sealed |= left_window(bm.block_tables([seq], g)[0], root + 1, root + 1 + num_accepted,
+                                  self.cache.residual, bm.block_size)
+        self.cache.seal(sealed)
+
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop `seq`'s last `num_tokens` slots in every group (rejected tentative tokens)."""
         self.block_manager.rollback(seq, num_tokens)

@@ -230,8 +230,10 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self._generators)
         batch = self._schedule(streams)
         if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError(f"request {self.scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
+            if self.scheduler.waiting and not self.scheduler.running:  # a capacity bug: add_request admitted it
+                seq = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {seq.seq_id} cannot be scheduled in an empty pool: "
+                                   f"{self.block_manager.lone_need(seq)}")
             return []
         due = rows = None
         if self.compressor:

@@ -111,7 +111,7 @@ class Scheduler:
             if hit is None:  # a page of its hit is still being read: it waits (as for a page not yet
                 w += 1  # allocated), the sequences behind it may run
                 continue
-            n = self._first_chunk(seq, hit, budget)
+            n, hit = self._first_chunk(seq, hit, budget)
             if not n:
                 break
             self.block_manager.allocate(seq, n, hit)
@@ -141,10 +141,21 @@ class Scheduler:
                 n = min(n, point - seq.num_computed_tokens)
         return n
 
-    def _first_chunk(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
-        """Tokens waiting `seq` computes in its first chunk if the pool admits it now, its computed tokens set
-        to the hit's; 0 if it waits. Into an empty pool a chunk whose residual rows do not fit is halved until
-        they do (kvlab.cache.quant.lease: what the rows of a chunk take depends on its length)."""
+    def _first_chunk(self, seq: Sequence, hit: PrefixHit, budget: int) -> tuple[int, PrefixHit]:
+        """(tokens waiting `seq` computes in its first chunk if the pool admits it now, its computed tokens set
+        to the hit's; 0 if it waits, and the hit it is admitted on). Into an empty pool a chunk whose residual
+        rows do not fit is halved until they do (kvlab.cache.quant.lease: what the rows of a chunk take depends
+        on its length), and a hit that does not fit even so is dropped: in an empty pool every cached page is
+        parked, so taking a hit costs at least the fresh pages computing it does (more where its pages are
+        copied: prefix_keep_shared=False, a partly used page), and a hit changes nothing a request computes."""
+        n = self._fit(seq, hit, budget)
+        if not n and not self.running and (hit.tokens or hit.turn is not None):
+            hit = PrefixHit(seq.seq_id)
+            n = self._fit(seq, hit, budget)
+        return n, hit
+
+    def _fit(self, seq: Sequence, hit: PrefixHit, budget: int) -> int:
+        """`_first_chunk` on `hit`: the first chunk's tokens (halved into an empty pool), 0 if it does not fit."""
         before, seq.num_computed_tokens = seq.num_computed_tokens, hit.tokens
         n = self._chunk(seq, budget, hit)
         while not self.block_manager.can_allocate(seq, hit, n):

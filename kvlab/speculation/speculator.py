@@ -43,7 +43,7 @@ class Speculator:
     def __init__(self, draft: DraftModel, vocab_size: int, kv=None):
         self.draft = draft
         self.vocab_size = vocab_size
-        self.kv = kv  # kvlab.cache.paged_kv.PagedKV: token trees move the accepted path's K/V through it
+        self.kv = kv  # kvlab.cache.paged_kv.PagedKV: token trees move the accepted path's K/V, chains seal through it
         block_manager = kv.block_manager if kv is not None else None
         windows = [g.sliding_window for g in block_manager.groups if g.sliding_window] if block_manager else []
         self.window = min(windows, default=None)
@@ -193,6 +193,9 @@ class Speculator:
         accepted, final = speculative_sample(p, q, draft, torch.tensor(ks), u_accept, u_final)
         accepted, final = accepted.tolist(), final.tolist()
         emitted = [(s, s.draft_token_ids[:a] + [t]) for s, a, t in zip(seqs, accepted, final)]
+        for seq, k, a in zip(seqs, ks, accepted):  # the pages the accepted run pushed out of the window
+            if self.kv is not None:
+                self.kv.seal_accepted(seq, k, a)
         self._record(seqs, ks, accepted)
         return emitted, {s.seq_id: k - a for s, k, a in zip(seqs, ks, accepted)}
 

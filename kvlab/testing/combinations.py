@@ -16,7 +16,9 @@ check a declared deviation excuses is reported instead: "runs outside the contra
 - prefix hits change nothing: a second pass over the same prompts (every shared prefix now cached) gives the
   first pass's tokens, and a prompt that hits nothing gives what prefix caching off gives;
 - schedule-independent: the same tokens in a pool small enough to preempt (or, for an allocator that
-  reserves, to run fewer at once), with a 32-token step budget (prefill chunked, drafts cut);
+  reserves, to run fewer at once), with a 32-token step budget (prefill chunked, drafts cut); a pool that
+  refuses the largest request at add_request (BlockManager.capacity_error) is skipped, and a request it
+  admits that then cannot be scheduled alone in the empty pool fails the check (a capacity bug);
 - nothing left: once every request finished, no component keeps per-sequence state and the page pools are free.
 It returns "exact" when every check ran.
 """
@@ -129,12 +131,14 @@ def _check_schedule_independence(make, batch, n: int, small_pools, name: str) ->
         small = make(kv_cache_memory=pool, max_num_batched_tokens=32)
         try:
             got = tokens(small)
-        except (ValueError, RuntimeError) as exc:  # the pool cannot hold the largest request: try the next one
-            # refused at add_request (BlockManager.capacity_error), or admitted and then stuck in an empty pool: the
-            # latter is a capacity bug (capacity_error said it fits), still met with drafts' tentative slots, radix
-            # hits on copied pages, rocketkv and packed formats in the smallest pools; counted as too small for now
-            if "the KV pool has only" in str(exc) or "cannot be scheduled in an empty pool" in str(exc):
+        except ValueError as exc:  # refused at add_request (BlockManager.capacity_error): try the next pool
+            if "the KV pool has only" in str(exc):
                 continue
+            raise
+        except RuntimeError as exc:  # admitted, then stuck alone in the pool: capacity_error said it would run
+            if "cannot be scheduled in an empty pool" in str(exc):
+                raise AssertionError(f"{name}: in pool {pool}, {exc} (every request BlockManager.capacity_error "
+                                     f"admits must run to completion alone in the pool)") from exc
             raise
         stats = small.stats()  # the pool must have constrained it: preempted, or (a reserving allocator) run fewer
         if stats["preemptions"] == 0 and stats["max_concurrent_seqs"] >= len(batch) * n:

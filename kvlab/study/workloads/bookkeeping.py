@@ -127,7 +127,8 @@ def replay_bookkeeping(requests: list[TraceRequest], allocator: str = "paged", a
             continue
         batch = scheduler.schedule()
         if not batch.seqs:
-            raise RuntimeError(f"request {scheduler.waiting[0].seq_id} cannot be scheduled in an empty pool")
+            stuck = scheduler.waiting[0]  # a capacity bug: capacity_error admitted it
+            raise RuntimeError(f"request {stuck.seq_id} cannot be scheduled in an empty pool: {bm.lone_need(stuck)}")
         t += step_s + token_s * batch.num_tokens
         scheduler.advance(batch)
         result.steps.append(_breakdown(t, scheduler, bm, final, pool))
