@@ -24,8 +24,8 @@ import time
 
 from kvlab.study.bench_io import REPO, bench_main, log, provenance, table
 
-PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler",
-         "engine rest"]
+PARTS = ["linear", "lm_head", "attention", "attention: K/V store", "attention: kernel", "attention: rest", "small ops",
+         "module overhead", "plan (prepare)", "sampler", "engine rest"]
 
 
 class Scope:
@@ -68,29 +68,45 @@ def instrument(engine) -> list:
         handles += [module.register_forward_pre_hook(scope.enter), module.register_forward_hook(scope.exit)]
     AttentionInterface.register(attention.ATTN_IMPLEMENTATION, Scope("kv::attention").wrap(
         attention.paged_attention_forward))
+    from kvlab.cache.kv_cache import KVCache
+    from kvlab.kernels.cpu import decode_attention, linear
+
+    if getattr(KVCache.store, "kv_scoped", False):  # a later cell: the functions are wrapped already
+        return handles
+    linear.linear = Scope("kv::linear").wrap(linear.linear)  # linear_backend cpu: the kernel's calls
+    KVCache.store = Scope("kv::store").wrap(KVCache.store)
+    KVCache.store.kv_scoped = True
+    if decode_attention._kernel() is not None:
+        kernel = Scope("kv::attention kernel").wrap(decode_attention._kernel())
+        decode_attention._kernel = lambda: kernel
     return handles
 
 
 def breakdown(events, steps: int) -> tuple[dict, list[tuple[str, float]]]:
     """ms per step of each part, and the attention hook's heaviest ops by self time."""
-    total = {k: 0.0 for k in ("kv::step", "kv::prepare", "kv::forward", "kv::lm_head", "kv::attention", "kv::sampler")}
+    total = {k: 0.0 for k in ("kv::step", "kv::prepare", "kv::forward", "kv::lm_head", "kv::attention", "kv::sampler",
+                              "kv::store", "kv::attention kernel")}
     linear = small = 0.0
     in_attention: dict[str, float] = {}
     for e in events:
         labels = ancestors(e)
         if e.name in total:
             total[e.name] += e.cpu_time_total
-        elif e.name == "aten::linear" and "kv::lm_head" not in labels and "aten::linear" not in labels:
+        elif (e.name in ("aten::linear", "kv::linear") and "kv::lm_head" not in labels
+              and not labels & {"aten::linear", "kv::linear"}):
             linear += e.cpu_time_total
         if "kv::attention" in labels and e.name.startswith("aten::"):
             in_attention[e.name] = in_attention.get(e.name, 0.0) + e.self_cpu_time_total
-        elif ("kv::forward" in labels and e.name.startswith("aten::") and not labels & {"kv::lm_head", "aten::linear"}
+        elif ("kv::forward" in labels and e.name.startswith("aten::")
+              and not labels & {"kv::lm_head", "aten::linear", "kv::linear", "kv::attention"}
               and e.name != "aten::linear"):
             small += e.self_cpu_time_total
     ms = {k: v / 1000 / steps for k, v in total.items()}
     parts = {"linear": linear / 1000 / steps, "lm_head": ms["kv::lm_head"], "attention": ms["kv::attention"],
              "small ops": small / 1000 / steps}
     parts["module overhead"] = ms["kv::forward"] - sum(parts.values())
+    parts["attention: K/V store"], parts["attention: kernel"] = ms["kv::store"], ms["kv::attention kernel"]
+    parts["attention: rest"] = ms["kv::attention"] - ms["kv::store"] - ms["kv::attention kernel"]
     parts["plan (prepare)"], parts["sampler"] = ms["kv::prepare"], ms["kv::sampler"]
     parts["engine rest"] = ms["kv::step"] - ms["kv::forward"] - ms["kv::prepare"] - ms["kv::sampler"]
     top = sorted(((k, v / 1000 / steps) for k, v in in_attention.items()), key=lambda kv: -kv[1])[:8]
@@ -113,7 +129,8 @@ def profile_cell(args, loaded, batch: int) -> dict:
 
     total = 1 + args.warmup + args.plain_steps + args.steps
     llm = LLM(args.model, loaded=loaded, dtype=args.dtype, quant=args.quant, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=batch, max_num_batched_tokens=batch * args.context, linear_layout=args.layout)
+              max_num_seqs=batch, max_num_batched_tokens=batch * args.context, linear_layout=args.layout,
+              linear_backend=args.linear_backend)
     engine = llm.engine
     g = torch.Generator().manual_seed(args.seed)
     for _ in range(batch):
@@ -153,7 +170,7 @@ def run(args) -> list[dict]:
 
 def report(rows: list[dict], meta: dict, args) -> str:
     lines = [f"# Where a decode step's time goes ({args.model}, {args.dtype}, cache {args.quant}, layout "
-             f"{args.layout})", "", *provenance(meta, "the machine is shared with other jobs: timings are indicative"),
+             f"{args.layout}, linear {args.linear_backend})", "", *provenance(meta, "the machine is shared with other jobs: timings are indicative"),
              f"Context {args.context} random tokens per sequence, {args.threads} torch thread(s); {args.plain_steps} "
              f"unprofiled decode steps (median quoted), then {args.steps} profiled; ms per step, share of the "
              "profiled step in brackets.", ""]
@@ -178,6 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="auto")
     p.add_argument("--layout", default="none", choices=["none", "auto"], help="engine.linear_layout")
+    p.add_argument("--linear-backend", default="torch", choices=["torch", "cpu"], help="engine.linear_backend")
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--plain-steps", type=int, default=8, help="unprofiled decode steps timed first")
     p.add_argument("--warmup", type=int, default=2)
