@@ -13,7 +13,8 @@ dtype as transformers' forward, so the logits are the same to the bit (tests/eng
 
 It takes a model only when it is transformers' LlamaForCausalLM with its own decoder layers, SiLU MLP, the default
 attention scaling and no soft-cap; a model with forward hooks on any module (a profiler's scopes, a draft's
-layer taps) runs transformers' forward, as does the batch-invariant mode.
+layer taps) runs transformers' forward, as does the batch-invariant mode. What it holds of the linear modules is
+rebuilt whenever kvlab/engine/linear_layout.py or linear_backend.py changes them (a counter on the model).
 
     forward = lean_forward(model)   # None: this model runs transformers' forward
     logits = forward(input_ids [T], positions [T], keep [R], meta)  # [R, vocab] in the model's dtype
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.engine.attention import StepMetadata, paged_attention
-from kvlab.engine.linear_layout import FusedPart
+from kvlab.engine.linear_layout import FusedPart, rewirings
 
 
 def lean_forward(model: nn.Module) -> Callable | None:
@@ -45,13 +46,16 @@ def lean_forward(model: nn.Module) -> Callable | None:
         attn = layer.self_attn
         if getattr(attn, "attn_logit_softcapping", None) or attn.scaling != attn.head_dim ** -0.5:
             return None
-    hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]  # filled in place
-    plans = [_layer_plan(layer) for layer in layers]
+    held = {}  # the layers' plans and the modules' hook tables, as of `rewirings(model)` changes of its linears
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 meta: StepMetadata) -> torch.Tensor | None:
-        if any(hooks) or _global_hooks():
+        if held.get("at") != rewirings(model):  # a layout or backend changed the modules: plan them again
+            held.update(at=rewirings(model), plans=[_layer_plan(layer) for layer in layers],
+                        hooks=[d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)])
+        if any(held["hooks"]) or _global_hooks():
             return None  # someone listens to the modules: transformers' forward calls them
+        plans = held["plans"]
         emb = inner.embed_tokens
         h = F.embedding(input_ids, emb.weight, emb.padding_idx, emb.max_norm, emb.norm_type,
                         emb.scale_grad_by_freq, emb.sparse)  # [T, H]

@@ -56,3 +56,19 @@ def test_models_it_does_not_take_and_hooked_models_run_transformers(fresh_model,
     finally:
         handle.remove()
     assert len(calls) == 3  # the hook saw every step: transformers' forward ran
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler or no AVX-512: no kernel")
+def test_a_later_layout_or_backend_is_followed(fresh_model, monkeypatch):
+    """The engine built on `none` / torch, then the model rewired (as experiments/bench_decode_roof.py does):
+    the lean forward runs the fused products on the kernel."""
+    from kvlab.engine import linear_backend as lb
+
+    llm = LLM("random:llama-tiny", loaded=fresh_model("random:llama-tiny"), kv_cache_memory="4MiB")
+    seen, kernel = [], cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, *a, **k: seen.append(x.shape[-1]) or kernel(x, *a, **k))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert not seen
+    lb.apply_linear(llm.engine.model, "auto", "cpu")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen  # decode steps ran the kernel
