@@ -24,8 +24,8 @@ import time
 
 from kvlab.study.bench_io import REPO, bench_main, log, provenance, table
 
-PARTS = ["linear", "lm_head", "attention", "attention: K/V store", "attention: kernel", "attention: rest", "small ops",
-         "module overhead", "plan (prepare)", "sampler", "engine rest"]
+PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler", "engine rest"]
+SUBPARTS = ["attention: K/V store", "attention: kernel", "attention: rest"]  # of attention
 
 
 class Scope:
@@ -54,22 +54,24 @@ class Scope:
 
 
 def instrument(engine) -> list:
-    """Scopes around the engine's parts; returns the model hooks' handles (remove them after)."""
-    from transformers import AttentionInterface
-
-    from kvlab.engine import attention
+    """Scopes around the engine's parts; returns the modules whose forward is wrapped (unwrap them after)."""
+    from kvlab.cache.kv_cache import KVCache
+    from kvlab.engine import attention, lean_forward
+    from kvlab.kernels.cpu import decode_attention, linear
 
     for name, obj, attr in (("kv::step", engine, "step"), ("kv::prepare", engine.runner, "prepare"),
                             ("kv::sampler", engine, "_sample")):
         setattr(obj, attr, Scope(name).wrap(getattr(obj, attr)))
-    handles = []
+    handles = []  # not forward hooks: a hooked model runs transformers' forward, never the lean one
     for name, module in (("kv::forward", engine.model), ("kv::lm_head", engine.model.lm_head)):
-        scope = Scope(name)
-        handles += [module.register_forward_pre_hook(scope.enter), module.register_forward_hook(scope.exit)]
-    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, Scope("kv::attention").wrap(
-        attention.paged_attention_forward))
-    from kvlab.cache.kv_cache import KVCache
-    from kvlab.kernels.cpu import decode_attention, linear
+        module.forward = Scope(name).wrap(module.forward)  # an instance attribute: __call__ and the lean forward
+        handles.append(module)
+    if engine.runner.lean is not None:
+        engine.runner.lean = Scope("kv::forward").wrap(engine.runner.lean)
+
+    if not getattr(attention.paged_attention, "kv_scoped", False):  # both forwards call it, by module attribute
+        attention.paged_attention = lean_forward.paged_attention = Scope("kv::attention").wrap(attention.paged_attention)
+        attention.paged_attention.kv_scoped = True
 
     if getattr(KVCache.store, "kv_scoped", False):  # a later cell: the functions are wrapped already
         return handles
@@ -147,8 +149,8 @@ def profile_cell(args, loaded, batch: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
-    for h in handles:
-        h.remove()
+    for module in handles:
+        del module.forward
     parts, top = breakdown(prof.events(), args.steps)
     while engine.has_unfinished():
         engine.step()
@@ -177,7 +179,7 @@ def report(rows: list[dict], meta: dict, args) -> str:
     cols = [("part", "part")] + [(f"b{r['batch']}", f"batch {r['batch']} ms (share)") for r in rows]
     table_rows = [{"part": "step, unprofiled", **{f"b{r['batch']}": f"{r['plain_step_ms']:.1f}" for r in rows}},
                   {"part": "step, profiled", **{f"b{r['batch']}": f"{r['step']:.1f}" for r in rows}}]
-    for part in PARTS:
+    for part in PARTS + SUBPARTS:
         table_rows.append({"part": part, **{f"b{r['batch']}": f"{r[part]:.2f} ({100 * r[part] / r['step']:.0f}%)"
                                             for r in rows}})
     lines += [table(table_rows, cols), ""]
