@@ -31,7 +31,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from kvlab.study.bench_io import REPO, commit_line, fmt, load_average, log, metadata, table
+REPO = Path(__file__).resolve().parents[1]  # kvlab.study.bench_io is imported where used, never at the top: the
+# "before" child runs this file against an older kvlab that lacks it
 
 STATS = ("max_concurrent_seqs", "mean_concurrent_seqs", "tokens_per_s", "busy_s", "kv_blocks_total",
          "kv_blocks_peak", "preemptions", "num_steps", "ttft_median_s", "generated_tokens")
@@ -62,7 +63,10 @@ def measure(spec: dict) -> dict:
     bm = llm.engine.block_manager
     shared = hasattr(bm, "allocator")  # one allocator for all groups (after) or one per group (before)
     layers = [len(g.layers) for g in bm.groups]
-    return {**{k: stats[k] for k in STATS}, "wall_s": wall, "kvlab_file": kvlab.__file__, "shared_pool": shared,
+    modules = sorted({m.__file__ for n, m in sys.modules.items()
+                      if (n == "kvlab" or n.startswith("kvlab.")) and getattr(m, "__file__", None)})
+    return {**{k: stats[k] for k in STATS}, "wall_s": wall, "kvlab_file": kvlab.__file__, "kvlab_modules": modules,
+            "shared_pool": shared,
             "kv_bytes": llm.engine.cache.nbytes() / 2**20, "num_groups": len(layers),
             "page_layers": layers[0] if shared else sum(layers),  # layers whose K/V one page (block id) holds
             "token_ids": [list(o.token_ids) for o in outputs]}
@@ -97,6 +101,10 @@ def run_child(spec: dict, site: Path | None, workdir: Path) -> dict:
     inside = Path(result["kvlab_file"]).resolve().is_relative_to((site or REPO).resolve())
     if not inside:
         raise RuntimeError(f"{name}: imported kvlab from {result['kvlab_file']}, not from {site or REPO}")
+    # the checkout's editable install still finds kvlab's subpackages the old revision lacks: none may be imported
+    mixed = [f for f in result["kvlab_modules"] if site and not Path(f).resolve().is_relative_to(site.resolve())]
+    if mixed:
+        raise RuntimeError(f"{name}: imported modules of this checkout beside kvlab at {site}: {mixed}")
     return result
 
 
@@ -128,6 +136,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def report(results: dict, meta: dict) -> str:
+    from kvlab.study.bench_io import commit_line, fmt, table
+
     a, r = meta["args"], results["ratios"]
     lines = [f"# Shared page pool: before ({results['before_rev'][:7]}) vs after ({commit_line(meta)}), "
              f"{a['model']}", "",
@@ -193,6 +203,7 @@ def engine_spec(args, prompts: list[list[int]], kv_memory: int) -> dict:
 def main(argv=None) -> dict:
     import torch
 
+    from kvlab.study.bench_io import load_average, log, metadata
     from kvlab.study.loggers.local import write_report
     from kvlab.models import load_model
     from kvlab.study.corpus_prompts import corpus_prompts  # here, not at the top: the child may import an older kvlab

@@ -75,13 +75,23 @@ def test_replay_metrics_cover_what_the_engine_reports(tiny_llm):
     from kvlab import LLM
     from kvlab.study.workloads.replay import Request, replay, replay_metrics
 
-    snap = LLM(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0, policy="snapkv",
-               policy_args={"budget": 16})
-    for llm in (tiny_llm, snap):
+    tiny = dict(model="random:llama-tiny", kv_cache_memory="4MiB", block_size=8, seed=0)
+    snap = LLM(**tiny, policy="snapkv", policy_args={"budget": 16})
+    # every optional family: kept compressed turns, a packed format's residual rows, prefix caching with a tier
+    # below the pool, a draft
+    turns = LLM(**tiny, policy="snapkv", policy_args={"budget": 16, "window_size": 4}, reuse_compressed=True)
+    packed = LLM(**tiny, quant="int4", quant_args={"group_size": 8, "residual": 8})
+    tiered = LLM(**tiny, enable_prefix_caching=True, offload="host", offload_args={"memory": "1MiB"})
+    drafted = LLM(**tiny, draft="ngram", draft_args={"num_tokens": 2})
+    seen: set[str] = set()
+    for llm in (tiny_llm, snap, turns, packed, tiered, drafted):
         result = replay(llm, [Request(list(range(1, 40)), 4), Request(list(range(5, 30)), 4)])
         undeclared = [m for m in result.metrics if not any(fnmatch.fnmatchcase(m, p) for p in replay_metrics())]
         assert not undeclared, undeclared
-    assert "workload/policy_pages_freed" in result.metrics  # the compressing policy's family is declared too
+        seen |= set(result.metrics)
+    for family in ("policy_pages_freed", "turns_kept", "residual_early_seals", "prefix_hit_tokens", "tier_*",
+                   "spec_*"):  # each optional family was reported, so its declaration was checked
+        assert fnmatch.filter(seen, f"workload/{family}"), family
 
 
 def test_largest_ratio_kept_per_policy():

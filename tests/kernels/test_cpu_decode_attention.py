@@ -7,6 +7,8 @@ rows of their own and leased ones; mixed decode + extend steps; the dispatch; th
 (skipped without one); the fallback where there is none: tests/kernels/test_cpu_kernel_fallback.py.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -342,3 +344,15 @@ def test_a_build_without_avx512_or_f16c_matches_the_reference(monkeypatch, tmp_p
     finally:
         build.load_library.cache_clear()
         cpu._kernel.cache_clear()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_one_openmp_runtime_in_the_process():
+    """The kernels are built with -fopenmp, so they need libgomp.so.1; torch ships its own copy under that
+    soname and is loaded first, so the loader reuses it: one OpenMP runtime (two would each start a thread pool
+    and oversubscribe the cores)."""
+    assert build.load_library() is not None
+    build.load_linear_library()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes

@@ -32,13 +32,14 @@ class Request:
 FollowUp = Callable[[Request, object, float], list[Request]]
 
 # llm.stats() keys (kvlab.metrics, LLMEngine.stats), as fnmatch patterns: the optional families
-# (compressing policy, prefix cache, sparse reading, speculation, per layer group) by prefix
+# (compressing policy, prefix cache, sparse reading, speculation, tiers, kept turns, packed residual rows,
+# per layer group) by prefix
 ENGINE_STATS = ("tokens_per_s", "prompt_tokens", "generated_tokens", "busy_s", "elapsed_s", "num_requests",
                 "num_steps", "ttft_median_s", "ttft_p90_s", "tpot_median_s", "tpot_p90_s", "kv_blocks_total",
                 "kv_blocks_peak", "kv_blocks_mean", "kv_blocks_peak/*", "kv_blocks_mean/*", "kv_bytes_peak",
                 "kv_bytes_mean", "kv_tokens_peak", "kv_tokens_mean", "waste_internal", "waste_reservation",
                 "waste_external", "preemptions", "max_concurrent_seqs", "mean_concurrent_seqs", "cow_copies",
-                "policy_*", "prefix_*", "sparse_*", "spec_*", "tier_*")
+                "policy_*", "prefix_*", "sparse_*", "spec_*", "tier_*", "turn_*", "turns_*", "residual_*")
 
 
 def replay_metrics(prefix: str = "workload") -> tuple[str, ...]:
