@@ -28,7 +28,9 @@ from pathlib import Path
 
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
-FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
+FORMATS = ["fp32", "bf16", "bf16-q", "fp16", "int8", "fp8_e4m3", "int4"]
+DEFAULT_FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
+QUERY_BF16 = {"bf16-q": "bf16"}  # a bf16 pool read by bf16 queries (the engine's bf16 compute dtype)
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
 COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("mib", "K+V MiB read"),
            ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
@@ -140,11 +142,11 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
     for batch in args.batch:
         for context in args.context:
             for fmt in args.formats:
-                k, v, plan, nbytes = pool(fmt, batch, context, args.seed)
-                q = torch.randn(batch, HQ, D)
+                k, v, plan, nbytes = pool(QUERY_BF16.get(fmt, fmt), batch, context, args.seed)
+                q = torch.randn(batch, HQ, D).to(torch.bfloat16 if fmt in QUERY_BF16 else torch.float32)
                 run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
                 run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
-                diff = float((run_kernel() - run_ref()).abs().max())  # also warms both up (plans, memos)
+                diff = float((run_kernel().float() - run_ref().float()).abs().max())  # also warms both up (plans, memos)
                 kt, rt, bt = [], [], []
                 for _ in range(args.repeats):
                     kt.append(timed(run_kernel, args.iters))
@@ -186,7 +188,7 @@ def report(rows: list[dict], roofs: tuple[float, float], meta: dict, args) -> st
         "",
         *provenance(meta, "other jobs share the cores: timings are indicative only"),
         f"One layer's decode attention in SmolLM2-135M's shape ({HQ} query heads, {HKV} KV heads, head_dim {D}, "
-        f"{BS}-token pages in shuffled order), fp32 queries; {args.threads} thread(s). Time: median over "
+        f"{BS}-token pages in shuffled order), fp32 queries (bf16-q: bf16 queries); {args.threads} thread(s). Time: median over "
         f"{args.repeats} repeats of the mean of {args.iters} kernel calls ({max(1, args.iters // 4)} reference "
         f"calls), both backends interleaved in every repeat. Bytes read: the pages' K and V as stored (int8: codes "
         "and fp16 scales; int4: KIVI codes, fp16 scales and zero points, and the fp32 residual rows of the open "
@@ -206,7 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, nargs="+", default=[512, 3000, 8192])
-    p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, choices=FORMATS,
+                   help="bf16-q: a bf16 pool and bf16 queries")
     p.add_argument("--threads", type=int, default=1, help="torch and kernel threads (the machine is shared)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=8, help="kernel calls per repeat (a quarter as many reference calls)")

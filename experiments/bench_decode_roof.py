@@ -35,7 +35,7 @@ import time
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
 
 COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"),
-           ("linear_backend", "linear"), ("batch", "batch"),
+           ("linear_backend", "linear"), ("forward", "forward"), ("batch", "batch"),
            ("context", "context"), ("step_ms", "step ms (median)"), ("tok_s", "tok/s"),
            ("weight_mb", "weights MB"), ("kv_mb", "K/V MB"), ("gb_s", "GB/s"), ("roof_gb_s", "roof GB/s"),
            ("roof_fraction", "of roof"),
@@ -83,19 +83,23 @@ def kvlab_cell(llm, prompts, blocks: int, args, variants) -> list[tuple[tuple[st
     from kvlab.engine.linear_backend import apply_linear
 
     engine, total = llm.engine, 1 + args.warmup + blocks * args.steps
+    lean = engine.runner.lean
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=total, ignore_eos=True))
     times, out = [], []
     while engine.has_unfinished():
         i = len(times) - 1 - args.warmup  # decode step index after the warm-up (-1 - warmup: the prefill)
         if i >= 0 and i % args.steps == 0:
-            apply_linear(engine.model, *variants[(i // args.steps) % len(variants)])
+            layout, backend, forward = variants[(i // args.steps) % len(variants)]
+            apply_linear(engine.model, layout, backend)
+            engine.runner.lean = lean if forward == "lean" else None  # hf: transformers' forward
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
     if len(times) != total:  # step 1 is the whole prefill, every later step one token per sequence
         raise RuntimeError(f"{len(times)} engine steps for {total} tokens: the prefill did not fit one step")
     apply_linear(engine.model, "none", "torch")
+    engine.runner.lean = lean
     decode = times[1 + args.warmup:]
     for b in range(blocks):
         start = len(prompts[0]) + 1 + args.warmup + b * args.steps  # cached tokens at the block's first step
@@ -135,12 +139,12 @@ def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token,
     rows = []
     for variant in dict.fromkeys(b[0] for b in blocks):
         mine = [b for b in blocks if b[0] == variant]
-        layout, backend = variant if isinstance(variant, tuple) else (variant, None)
+        layout, backend, forward = variant if isinstance(variant, tuple) else (variant, None, None)
         step = statistics.median(t for _, t, _ in mine)
         cached = statistics.mean(c for _, _, c in mine)
         kv = batch * cached * kv_per_token
         rows.append({"system": system, "dtype": dtype, "quant": quant, "layout": layout,
-                     "linear_backend": backend, "batch": batch,
+                     "linear_backend": backend, "forward": forward, "batch": batch,
                      "context": context, "step_ms": 1000 * step, "tok_s": batch / step, "weight_mb": weights / 1e6,
                      "kv_mb": kv / 1e6, "gb_s": (weights + kv) / step / 1e9,
                      "roof_gb_s": roof / 1e9, "roof_fraction": (weights + kv) / step / roof,
@@ -151,7 +155,8 @@ def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token,
 
 def add_derived(rows: list[dict]) -> None:
     """K/V GB/s against the same system/dtype/cache/layout/batch at the shortest context; kvlab over HF."""
-    key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r.get("linear_backend"), r["batch"])  # noqa: E731
+    key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r.get("linear_backend"), r.get("forward"),
+                     r["batch"])  # noqa: E731
     for r in rows:
         base = min((o for o in rows if key(o) == key(r)), key=lambda o: o["context"])
         dt = r["step_s"] - base["step_s"]
@@ -180,7 +185,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
 
     g = torch.Generator().manual_seed(args.seed)
     cells = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_prompt_tokens]
-    variants = [(layout, backend) for layout in args.layouts for backend in args.linear_backends]
+    variants = [(layout, backend, forward) for layout in args.layouts for backend in args.linear_backends
+                for forward in args.forwards]
     blocks = args.repeats * len(variants)
     rows = []
     for dtype_name in args.dtypes:
@@ -230,7 +236,8 @@ def report(roofs: list[dict], rows: list[dict], meta: dict, args) -> str:
         f"{statistics.median(mvs):.1f} GB/s (range {min(mvs):.1f}-{max(mvs):.1f}).", "",
         f"Per cell: one prefill of random prompts, {args.warmup} warm-up steps, then {args.repeats} x {args.steps} "
         f"timed decode steps per kvlab layout ({', '.join(args.layouts)}) x linear backend "
-        f"({', '.join(args.linear_backends)}) (blocks interleaved) and for Hugging Face "
+        f"({', '.join(args.linear_backends)}) x forward ({', '.join(args.forwards)}; lean: "
+        "kvlab/engine/lean_forward.py, hf: transformers' module forward) (blocks interleaved) and for Hugging Face "
         "`generate` (its default sdpa attention and dynamic cache; int4: its quantised cache, quanto, 4 bits). "
         "Bytes per step = unique weights + the batch's cached K/V at the format's size (mean context over the "
         "block); 'of roof' = (bytes / step time) / the streaming roof measured just before the cell. 'K/V GB/s': "
@@ -250,6 +257,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="kvlab engine.linear_layout values, interleaved per block")
     p.add_argument("--linear-backends", nargs="+", default=["torch"], choices=["torch", "cpu"],
                    help="kvlab engine.linear_backend values, interleaved per block (with every layout)")
+    p.add_argument("--forwards", nargs="+", default=["lean"], choices=["lean", "hf"],
+                   help="kvlab's forward: lean (kvlab/engine/lean_forward.py, where the model takes it) or "
+                        "transformers' module forward, interleaved per block")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per layout (and for HF)")
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the first timed block")

@@ -24,8 +24,8 @@ import time
 
 from kvlab.study.bench_io import REPO, bench_main, log, provenance, table
 
-PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler",
-         "engine rest"]
+PARTS = ["linear", "lm_head", "attention", "small ops", "module overhead", "plan (prepare)", "sampler", "engine rest"]
+SUBPARTS = ["attention: K/V store", "attention: kernel", "attention: rest"]  # of attention
 
 
 class Scope:
@@ -54,43 +54,61 @@ class Scope:
 
 
 def instrument(engine) -> list:
-    """Scopes around the engine's parts; returns the model hooks' handles (remove them after)."""
-    from transformers import AttentionInterface
-
-    from kvlab.engine import attention
+    """Scopes around the engine's parts; returns the modules whose forward is wrapped (unwrap them after)."""
+    from kvlab.cache.kv_cache import KVCache
+    from kvlab.engine import attention, lean_forward
+    from kvlab.kernels.cpu import decode_attention, linear
 
     for name, obj, attr in (("kv::step", engine, "step"), ("kv::prepare", engine.runner, "prepare"),
                             ("kv::sampler", engine, "_sample")):
         setattr(obj, attr, Scope(name).wrap(getattr(obj, attr)))
-    handles = []
+    handles = []  # not forward hooks: a hooked model runs transformers' forward, never the lean one
     for name, module in (("kv::forward", engine.model), ("kv::lm_head", engine.model.lm_head)):
-        scope = Scope(name)
-        handles += [module.register_forward_pre_hook(scope.enter), module.register_forward_hook(scope.exit)]
-    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, Scope("kv::attention").wrap(
-        attention.paged_attention_forward))
+        module.forward = Scope(name).wrap(module.forward)  # an instance attribute: __call__ and the lean forward
+        handles.append(module)
+    if engine.runner.lean is not None:
+        engine.runner.lean = Scope("kv::forward").wrap(engine.runner.lean)
+
+    if not getattr(attention.paged_attention, "kv_scoped", False):  # both forwards call it, by module attribute
+        attention.paged_attention = lean_forward.paged_attention = Scope("kv::attention").wrap(attention.paged_attention)
+        attention.paged_attention.kv_scoped = True
+
+    if getattr(KVCache.store, "kv_scoped", False):  # a later cell: the functions are wrapped already
+        return handles
+    linear.linear = Scope("kv::linear").wrap(linear.linear)  # linear_backend cpu: the kernel's calls
+    KVCache.store = Scope("kv::store").wrap(KVCache.store)
+    KVCache.store.kv_scoped = True
+    if decode_attention._kernel() is not None:
+        kernel = Scope("kv::attention kernel").wrap(decode_attention._kernel())
+        decode_attention._kernel = lambda: kernel
     return handles
 
 
 def breakdown(events, steps: int) -> tuple[dict, list[tuple[str, float]]]:
     """ms per step of each part, and the attention hook's heaviest ops by self time."""
-    total = {k: 0.0 for k in ("kv::step", "kv::prepare", "kv::forward", "kv::lm_head", "kv::attention", "kv::sampler")}
+    total = {k: 0.0 for k in ("kv::step", "kv::prepare", "kv::forward", "kv::lm_head", "kv::attention", "kv::sampler",
+                              "kv::store", "kv::attention kernel")}
     linear = small = 0.0
     in_attention: dict[str, float] = {}
     for e in events:
         labels = ancestors(e)
         if e.name in total:
             total[e.name] += e.cpu_time_total
-        elif e.name == "aten::linear" and "kv::lm_head" not in labels and "aten::linear" not in labels:
+        elif (e.name in ("aten::linear", "kv::linear") and "kv::lm_head" not in labels
+              and not labels & {"aten::linear", "kv::linear"}):
             linear += e.cpu_time_total
         if "kv::attention" in labels and e.name.startswith("aten::"):
             in_attention[e.name] = in_attention.get(e.name, 0.0) + e.self_cpu_time_total
-        elif ("kv::forward" in labels and e.name.startswith("aten::") and not labels & {"kv::lm_head", "aten::linear"}
+        elif ("kv::forward" in labels and e.name.startswith("aten::")
+              and not labels & {"kv::lm_head", "aten::linear", "kv::linear", "kv::attention"}
               and e.name != "aten::linear"):
             small += e.self_cpu_time_total
     ms = {k: v / 1000 / steps for k, v in total.items()}
     parts = {"linear": linear / 1000 / steps, "lm_head": ms["kv::lm_head"], "attention": ms["kv::attention"],
              "small ops": small / 1000 / steps}
     parts["module overhead"] = ms["kv::forward"] - sum(parts.values())
+    parts["attention: K/V store"], parts["attention: kernel"] = ms["kv::store"], ms["kv::attention kernel"]
+    parts["attention: rest"] = ms["kv::attention"] - ms["kv::store"] - ms["kv::attention kernel"]
     parts["plan (prepare)"], parts["sampler"] = ms["kv::prepare"], ms["kv::sampler"]
     parts["engine rest"] = ms["kv::step"] - ms["kv::forward"] - ms["kv::prepare"] - ms["kv::sampler"]
     top = sorted(((k, v / 1000 / steps) for k, v in in_attention.items()), key=lambda kv: -kv[1])[:8]
@@ -113,7 +131,8 @@ def profile_cell(args, loaded, batch: int) -> dict:
 
     total = 1 + args.warmup + args.plain_steps + args.steps
     llm = LLM(args.model, loaded=loaded, dtype=args.dtype, quant=args.quant, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=batch, max_num_batched_tokens=batch * args.context, linear_layout=args.layout)
+              max_num_seqs=batch, max_num_batched_tokens=batch * args.context, linear_layout=args.layout,
+              linear_backend=args.linear_backend)
     engine = llm.engine
     g = torch.Generator().manual_seed(args.seed)
     for _ in range(batch):
@@ -130,8 +149,8 @@ def profile_cell(args, loaded, batch: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
-    for h in handles:
-        h.remove()
+    for module in handles:
+        del module.forward
     parts, top = breakdown(prof.events(), args.steps)
     while engine.has_unfinished():
         engine.step()
@@ -153,14 +172,14 @@ def run(args) -> list[dict]:
 
 def report(rows: list[dict], meta: dict, args) -> str:
     lines = [f"# Where a decode step's time goes ({args.model}, {args.dtype}, cache {args.quant}, layout "
-             f"{args.layout})", "", *provenance(meta, "the machine is shared with other jobs: timings are indicative"),
+             f"{args.layout}, linear {args.linear_backend})", "", *provenance(meta, "the machine is shared with other jobs: timings are indicative"),
              f"Context {args.context} random tokens per sequence, {args.threads} torch thread(s); {args.plain_steps} "
              f"unprofiled decode steps (median quoted), then {args.steps} profiled; ms per step, share of the "
              "profiled step in brackets.", ""]
     cols = [("part", "part")] + [(f"b{r['batch']}", f"batch {r['batch']} ms (share)") for r in rows]
     table_rows = [{"part": "step, unprofiled", **{f"b{r['batch']}": f"{r['plain_step_ms']:.1f}" for r in rows}},
                   {"part": "step, profiled", **{f"b{r['batch']}": f"{r['step']:.1f}" for r in rows}}]
-    for part in PARTS:
+    for part in PARTS + SUBPARTS:
         table_rows.append({"part": part, **{f"b{r['batch']}": f"{r[part]:.2f} ({100 * r[part] / r['step']:.0f}%)"
                                             for r in rows}})
     lines += [table(table_rows, cols), ""]
@@ -178,6 +197,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="auto")
     p.add_argument("--layout", default="none", choices=["none", "auto"], help="engine.linear_layout")
+    p.add_argument("--linear-backend", default="torch", choices=["torch", "cpu"], help="engine.linear_backend")
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--plain-steps", type=int, default=8, help="unprofiled decode steps timed first")
     p.add_argument("--warmup", type=int, default=2)

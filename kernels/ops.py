@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kvlab.kernels.reference import block_ops as _ref_blocks
 from kvlab.kernels.reference import paged_attention as _ref_attn
@@ -90,8 +91,25 @@ def store_kv(
     k_scale: torch.Tensor | None = None,  # [Hkv] float32
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    fn = _triton("store_kv", "store_kv") if use_triton(k_cache) else store_kv_ref
-    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if use_triton(k_cache):
+        return _triton("store_kv", "store_kv")(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if k_scale is None and v_scale is None and key.dtype == k_cache.dtype == v_cache.dtype == value.dtype \
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and _all_valid(slot_mapping):
+        # a plain copy into the slots (the reference's writes, without its mask, casts and advanced indexing)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+        return
+    store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+_valid_slots = WeakIdKeyDictionary()  # slot mapping -> no slot < 0 (a step's mapping is stored into by every layer)
+
+
+def _all_valid(slot_mapping: torch.Tensor) -> bool:
+    valid = _valid_slots.get(slot_mapping)
+    if valid is None:
+        valid = _valid_slots[slot_mapping] = bool((slot_mapping >= 0).all()) and slot_mapping.dtype == torch.int64
+    return valid
 
 
 def run_paged_attention(

@@ -53,6 +53,7 @@ struct Side {
     const int64_t* lease;     // [rows, res_k]
     int64_t res_k;
     int64_t res_chunk;
+    int32_t fp8;              // kinds 3, 13: 1 e4m3fn, 2 e5m2 (read in registers), 0 unknown (the LUT)
 };
 
 }  // extern "C"
@@ -563,7 +564,15 @@ void attend_unit_generic(const Args& a, int b, int lo, int hi, float* m, float* 
 // to it for scoring, and a bf16 V side's accumulators are permuted back when the unit ends. Every sum still runs
 // in a fixed order that depends on nothing but the row's own keys.
 
-enum Src { F32 = 0, BF16 = 1, F16 = 2 };  // how a row's chunks are loaded (decoded kinds: F32 rows in a buffer)
+// How a row's chunks are loaded. F32 / BF16 / F16: the pool's values (decoded kinds: F32 rows in a buffer).
+// I8 / E4M3 / E5M2: one-byte codes widened in registers; the row's scale is applied outside the chunk (a key's to
+// its score, a value's to its weight): int8 codes as integers, fp8 codes as float16 (e5m2 is a float16's top byte;
+// e4m3's 7 bits below the sign, shifted into a float16's, give the value times 2^-8: subnormals included, which
+// the scale's factor 2^8 restores exactly; e4m3fn's NaN codes, never written by the quantiser, read as 480 * 2^8).
+enum Src { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, E4M3 = 4, E5M2 = 5 };
+
+template <int S>
+constexpr int src_bytes() { return S == F32 ? 4 : S == BF16 || S == F16 ? 2 : 1; }
 
 template <int S>
 inline __m512 chunk(const void* row, int c) {  // 16 channels of a row, in its lane order
@@ -571,6 +580,14 @@ inline __m512 chunk(const void* row, int c) {  // 16 channels of a row, in its l
         return _mm512_loadu_ps((const float*)row + 16 * c);
     } else if constexpr (S == F16) {
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + 16 * c)));
+    } else if constexpr (S == I8) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)row + 16 * c))));
+    } else if constexpr (S == E4M3 || S == E5M2) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)row + 16 * c)));
+        const __m256i h = S == E5M2 ? _mm256_slli_epi16(x, 8)
+                                    : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
+                                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
     } else {
         const __m512i w = _mm512_loadu_si512((const uint16_t*)row + 32 * (c >> 1));
         return _mm512_castsi512_ps(c & 1 ? _mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u)))
@@ -634,7 +651,7 @@ inline void accumulate_block(float* acc, int D, const float* w, const void* cons
 // acc [G, D] (V's lane order) += w [G, TILE] x rows [n, D]: blocks of 4 heads x 64 channels.
 template <int S>
 void accumulate_tile(float* acc, int G, int D, const float* w, const void* const* rows, int n) {
-    constexpr int esize = S == F32 ? 4 : 2;
+    constexpr int esize = src_bytes<S>();
     const void* r[TILE];
     for (int c0 = 0; c0 < D / 16; c0 += 4) {
         for (int i = 0; i < n; ++i) r[i] = (const char*)rows[i] + 16 * c0 * esize;
@@ -664,7 +681,10 @@ inline void score(int src, const float* q, int G, int D, const void* const* rows
     switch (src) {
         case F32: return score_any<F32>(q, G, D, rows, n, s);
         case BF16: return score_any<BF16>(q, G, D, rows, n, s);
-        default: return score_any<F16>(q, G, D, rows, n, s);
+        case F16: return score_any<F16>(q, G, D, rows, n, s);
+        case I8: return score_any<I8>(q, G, D, rows, n, s);
+        case E4M3: return score_any<E4M3>(q, G, D, rows, n, s);
+        default: return score_any<E5M2>(q, G, D, rows, n, s);
     }
 }
 
@@ -672,8 +692,89 @@ inline void accumulate_src(int src, float* acc, int G, int D, const float* w, co
     switch (src) {
         case F32: return accumulate_tile<F32>(acc, G, D, w, rows, n);
         case BF16: return accumulate_tile<BF16>(acc, G, D, w, rows, n);
-        default: return accumulate_tile<F16>(acc, G, D, w, rows, n);
+        case F16: return accumulate_tile<F16>(acc, G, D, w, rows, n);
+        case I8: return accumulate_tile<I8>(acc, G, D, w, rows, n);
+        case E4M3: return accumulate_tile<E4M3>(acc, G, D, w, rows, n);
+        default: return accumulate_tile<E5M2>(acc, G, D, w, rows, n);
     }
+}
+
+#if defined(__AVX512BF16__)
+// s[g * TILE + i] = q[g] . rows[i] with VDPBF16PS (bf16 pairs multiplied exactly, summed in fp32; subnormals
+// flushed): q [G, D] bf16 in channel order, rows bf16 (rows past n: any readable row); D a multiple of 32.
+template <int NZ>
+void score_tile_dp(const uint16_t* q, int G, const void* const* rows, int n, float* s) {
+    for (int g = 0; g < G; ++g) {
+        __m512bh qv[NZ];
+        for (int z = 0; z < NZ; ++z) qv[z] = (__m512bh)_mm512_loadu_si512(q + size_t(g) * NZ * 32 + 32 * z);
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            __m512 p[16];
+            for (int i = 0; i < 16; ++i) {
+                const uint16_t* r = (const uint16_t*)rows[i0 + i];
+                __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(r));
+#pragma GCC unroll 8
+                for (int z = 1; z < NZ; ++z) x = _mm512_dpbf16_ps(x, qv[z], (__m512bh)_mm512_loadu_si512(r + 32 * z));
+                p[i] = x;
+            }
+            _mm512_storeu_ps(s + g * TILE + i0, transpose_sum16(p));
+        }
+    }
+}
+
+inline void score_dp(const uint16_t* q, int G, int D, const void* const* rows, int n, float* s) {
+    switch (D) {
+        case 64: return score_tile_dp<2>(q, G, rows, n, s);
+        case 128: return score_tile_dp<4>(q, G, rows, n, s);
+        default: return score_tile_dp<8>(q, G, rows, n, s);
+    }
+}
+#endif
+
+// How a side is read in registers (its Src), or -1: decoded into a float32 buffer first (KIVI codes, fp8 of an
+// unknown encoding).
+inline int register_src(const Side& s) {
+    if (s.kind <= 2) return s.kind;
+    if (s.kind == 10) return I8;
+    if (s.kind == 3 || s.kind == 13) return s.fp8 == 1 ? E4M3 : s.fp8 == 2 ? E5M2 : -1;
+    return -1;
+}
+
+// The factor a register-read row's codes take: its token's scale (kinds 10, 13), the head's (kind 3), times 2^8
+// for e4m3 codes read as float16 (see Src); 1 for element-wise float pools.
+inline float row_scale(const Side& s, int src, int64_t page, int pos, int h, int page_size, int Hkv) {
+    float f = src == E4M3 ? 256.f : 1.f;
+    if (s.kind == 3) return s.head_scale ? f * s.head_scale[h] : f;
+    if (s.kind == 10 || s.kind == 13) return f * half_to_float(s.scale16[(page * page_size + pos) * Hkv + h]);
+    return f;
+}
+
+// Where head h of a register-read row starts.
+inline const void* register_row(const Side& s, int64_t page, int pos, int h, int page_size, int Hkv, int D) {
+    if (s.kind <= 3) {
+        static const int esize[4] = {4, 2, 2, 1};
+        return (const char*)s.data + (page * s.s_block + pos * s.s_pos + h * s.s_head) * esize[s.kind];
+    }
+    return (const int8_t*)s.data + ((page * page_size + pos) * Hkv + h) * D;  // kinds 10, 13: [slots, Hkv, D] bytes
+}
+
+// Whether every key of the tile is read from its codes (a packed page still open is read from its residual row,
+// decoded: then the whole tile is).
+inline bool codes_only(const Side& s, const int64_t* pages, int n) {
+    if (s.kind <= 3 || !s.res) return true;
+    for (int i = 0; i < n; ++i)
+        if (pages[i] >= 0 && s.row_of[pages[i]] >= 0) return false;
+    return true;
+}
+
+// Whether q (HG rows of D floats at q_sh apart) holds bf16 values only (the engine's bf16 queries, widened).
+inline bool bf16_exact(const float* q, int64_t q_sh, int HG, int D) {
+    for (int hg = 0; hg < HG; ++hg)
+        for (int d = 0; d < D; ++d) {
+            uint32_t u;
+            std::memcpy(&u, q + hg * q_sh + d, 4);
+            if (u & 0xffff) return false;
+        }
+    return true;
 }
 
 // lane order of a bf16 row <-> channel order, per 32 channels: lane j <-> channel 2j, lane 16 + j <-> 2j + 1.
@@ -699,31 +800,38 @@ inline const char* slot_at(const Side& s, int64_t page, int pos) {
 
 void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
     const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
-    const int ks = a.k->kind <= 2 ? a.k->kind : F32, vs = a.v->kind <= 2 ? a.v->kind : F32;
+    const int kreg = register_src(*a.k), vreg = register_src(*a.v);  // -1: decoded into a buffer (F32)
     const size_t tmp_len = 2 * size_t(D) + 2;
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + size_t(HG) * TILE + D);
+    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + 2 * size_t(HG) * TILE + D
+                   + size_t(HG) * D);
     float* qg = scratch.data();                       // [Hkv * G, D] in K's lane order
     float* ktmp = qg + size_t(HG) * D;                // [Hkv, tmp_len]
     float* vtmp = ktmp + Hkv * tmp_len;               // [Hkv, tmp_len]
-    float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows (packed / fp8 kinds)
+    float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows (KIVI kinds, residual rows)
     float* vbuf = kbuf + size_t(TILE) * Hkv * D;      // [TILE, Hkv, D]
     float* zeros = vbuf + size_t(TILE) * Hkv * D;     // [D] the row a released key (or a padding lane) reads
     float* s = zeros + D;                             // [Hkv * G, TILE] scores, then weights
-    float* tmp = s + size_t(HG) * TILE;               // [D]
+    float* ws = s + size_t(HG) * TILE;                // [G, TILE] weights times the V rows' scales
+    float* tmp = ws + size_t(HG) * TILE;              // [D]
+    uint16_t* qb = (uint16_t*)(tmp + D);              // [Hkv * G, D] bf16 queries in channel order (VDPBF16PS)
     for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;
     std::memset(zeros, 0, sizeof(float) * D);
     const void* rows[TILE];
-    const char* kslot[TILE];
-    const char* vslot[TILE];
+    float ksc[TILE], vsc[TILE];
     int64_t pages[TILE];
     int pos_of[TILE];
-    const bool direct_k = a.k->kind <= 2, direct_v = a.v->kind <= 2;  // read in place (else decoded into a buffer)
-    const int64_t k_head = a.k->s_head * (a.k->kind == 0 ? 4 : 2), v_head = a.v->s_head * (a.v->kind == 0 ? 4 : 2);
     const int t = a.tokens[b];
+    const float* q0 = a.q + t * a.q_st;
+#if defined(__AVX512BF16__)
+    const bool dp = kreg == BF16 && D % 32 == 0 && bf16_exact(q0, a.q_sh, HG, D);  // bf16 q . bf16 k exactly in pairs
+#else
+    const bool dp = false;
+#endif
     for (int hg = 0; hg < HG; ++hg) {
-        const float* src = a.q + t * a.q_st + int64_t(hg) * a.q_sh;
-        if (ks == BF16) to_bf16_lanes(src, qg + size_t(hg) * D, D);
+        const float* src = q0 + int64_t(hg) * a.q_sh;
+        if (dp) for (int d = 0; d < D; ++d) { uint32_t u; std::memcpy(&u, src + d, 4); qb[size_t(hg) * D + d] = u >> 16; }
+        if (kreg == BF16) to_bf16_lanes(src, qg + size_t(hg) * D, D);
         else std::memcpy(qg + size_t(hg) * D, src, sizeof(float) * D);
         m[hg] = NEG_INF;
         l[hg] = 0.f;
@@ -753,20 +861,35 @@ void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, f
             pages[i] = table[col];
             if (++pos == a.page) { pos = 0; ++col; }
         }
-        if (direct_k)
-            for (int i = 0; i < n; ++i) kslot[i] = pages[i] < 0 ? nullptr : slot_at(*a.k, pages[i], pos_of[i]);
-        if (direct_v)
-            for (int i = 0; i < n; ++i) vslot[i] = pages[i] < 0 ? nullptr : slot_at(*a.v, pages[i], pos_of[i]);
+        // this tile's sources: in registers where every key is read from its codes (or the pool's values)
+        const int ks = kreg >= 0 && codes_only(*a.k, pages, n) ? kreg : -1;
+        const int vs = vreg >= 0 && codes_only(*a.v, pages, n) ? vreg : -1;
+        const bool k_scaled = ks >= I8, v_scaled = vs >= I8;
         for (int h = 0; h < Hkv; ++h) {
             const int n16 = (n + 15) & ~15;
-            for (int i = 0; i < n16; ++i)
-                rows[i] = i >= n || pages[i] < 0 ? (const void*)zeros
-                          : direct_k ? (const void*)(kslot[i] + h * k_head)
-                                     : load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D,
-                                                kbuf + (size_t(i) * Hkv + h) * D, ktmp + h * tmp_len);
+            for (int i = 0; i < n16; ++i) {
+                if (i >= n || pages[i] < 0) {
+                    rows[i] = zeros;
+                    ksc[i] = 0.f;
+                } else if (ks >= 0) {
+                    rows[i] = register_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D);
+                    if (k_scaled) ksc[i] = row_scale(*a.k, ks, pages[i], pos_of[i], h, a.page, Hkv);
+                } else {
+                    rows[i] = load_row(*a.k, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                       kbuf + (size_t(i) * Hkv + h) * D, ktmp + h * tmp_len);
+                }
+            }
             prefetch_to(pf_base + (2 * h + 1) * TILE / (2 * Hkv));
             float* sh = s + size_t(h * G) * TILE;
-            score(ks, qg + size_t(h * G) * D, G, D, rows, n, sh);
+#if defined(__AVX512BF16__)
+            if (dp)  // padding lanes read `zeros` as bf16 pairs: any readable row will do (their scores are dropped)
+                score_dp(qb + size_t(h * G) * D, G, D, rows, n, sh);
+            else
+#endif
+                score(ks >= 0 ? ks : F32, qg + size_t(h * G) * D, G, D, rows, n, sh);  // decoded rows: F32
+            if (k_scaled)
+                for (int g = 0; g < G; ++g)
+                    for (int i = 0; i < n; ++i) sh[g * TILE + i] *= ksc[i];
             for (int i = 0; i < n; ++i)
                 if (pages[i] < 0)  // released page: never attended to
                     for (int g = 0; g < G; ++g) sh[g * TILE + i] = NEG_INF;
@@ -777,15 +900,28 @@ void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, f
             }
             prefetch_to(pf_base + (2 * h + 2) * TILE / (2 * Hkv));
             if (!any) continue;
-            for (int i = 0; i < n; ++i)  // each V row read once for the G heads
-                rows[i] = pages[i] < 0 ? (const void*)zeros
-                          : direct_v ? (const void*)(vslot[i] + h * v_head)
-                                     : load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D,
-                                                vbuf + (size_t(i) * Hkv + h) * D, vtmp + h * tmp_len);
-            accumulate_src(vs, acc + size_t(h * G) * D, G, D, sh, rows, n);
+            for (int i = 0; i < n; ++i) {  // each V row read once for the G heads
+                if (pages[i] < 0) {
+                    rows[i] = zeros;
+                    vsc[i] = 0.f;
+                } else if (vs >= 0) {
+                    rows[i] = register_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D);
+                    if (v_scaled) vsc[i] = row_scale(*a.v, vs, pages[i], pos_of[i], h, a.page, Hkv);
+                } else {
+                    rows[i] = load_row(*a.v, pages[i], pos_of[i], h, a.page, Hkv, D,
+                                       vbuf + (size_t(i) * Hkv + h) * D, vtmp + h * tmp_len);
+                }
+            }
+            const float* w = sh;
+            if (v_scaled) {  // a V row's scale moves onto its weight
+                for (int g = 0; g < G; ++g)
+                    for (int i = 0; i < n; ++i) ws[g * TILE + i] = sh[g * TILE + i] * vsc[i];
+                w = ws;
+            }
+            accumulate_src(vs >= 0 ? vs : F32, acc + size_t(h * G) * D, G, D, w, rows, n);
         }
     }
-    if (vs == BF16)
+    if (vreg == BF16)
         for (int hg = 0; hg < HG; ++hg) from_bf16_lanes(acc + size_t(hg) * D, D, tmp);
 }
 #endif  // __AVX512F__
@@ -881,6 +1017,6 @@ int kvlab_decode_attention(
     return 0;
 }
 
-int kvlab_abi_version() { return 2; }
+int kvlab_abi_version() { return 3; }
 
 }  // extern "C"

@@ -34,6 +34,7 @@ from kvlab.kernels.reference import paged_attention as _ref
 CHUNK_KEYS = 256  # keys per work unit (Flash-Decoding split), fixed so a row's reduction order is its own
 POOL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # Side.fp8: the encoding the kernel widens in registers
 PACKED_KINDS = {0: 10, 1: 11, 2: 12, 3: 13}  # PageCodec.layout() kind -> the kernel's kind
 RES_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -47,7 +48,7 @@ class _Side(ctypes.Structure):
         ("head_scale", ctypes.c_void_p), ("lut", ctypes.c_void_p),
         ("s_block", ctypes.c_int64), ("s_pos", ctypes.c_int64), ("s_head", ctypes.c_int64),
         ("res", ctypes.c_void_p), ("row_of", ctypes.c_void_p), ("lease", ctypes.c_void_p),
-        ("res_k", ctypes.c_int64), ("res_chunk", ctypes.c_int64),
+        ("res_k", ctypes.c_int64), ("res_chunk", ctypes.c_int64), ("fp8", ctypes.c_int32),
     ]
 
 
@@ -154,7 +155,7 @@ def _pool_side(cache: torch.Tensor, scale: torch.Tensor | None) -> tuple[_Side, 
         side.kind = POOL_KINDS[cache.dtype]
     elif cache.dtype in FP8:
         lut = _fp8_lut(cache.dtype)
-        side.kind, side.lut = 3, lut.data_ptr()
+        side.kind, side.lut, side.fp8 = 3, lut.data_ptr(), FP8_CODES[cache.dtype]
         keep.append(lut)
         if scale is not None:
             if scale.dtype != torch.float32 or not scale.is_contiguous():
@@ -181,7 +182,7 @@ def _packed_side(store) -> tuple[_Side, list] | None:
             setattr(side, field, parts[name].data_ptr())
     if kind == 3:
         lut = _fp8_lut(parts["data"].dtype)
-        side.lut = lut.data_ptr()
+        side.lut, side.fp8 = lut.data_ptr(), FP8_CODES.get(parts["data"].dtype, 0)
         keep.append(lut)
     if store.residual is not None:
         area = store.area

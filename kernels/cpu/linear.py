@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -37,6 +37,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int  # N
     in_features: int  # K
+    verdicts: dict = field(default_factory=dict, compare=False, repr=False)  # _takes' cache (the tensors' checks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -95,7 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: PackedWeight | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N] in x's dtype. `packed`: pack(weight), made once
     (None packs now: for tests); out: a contiguous [..., N] tensor of x's dtype to write into."""
-    if not enabled() or not supports(x, weight, bias):
+    if not enabled() or not _takes(x, weight, bias, packed):
         return F.linear(x, weight, bias)
     packed = pack(weight) if packed is None else packed
     n, k = weight.shape
@@ -117,3 +118,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if status:
         raise RuntimeError(f"kvlab_linear failed with status {status}")
     return out
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> bool:
+    """supports(x, weight, bias), with the verdict on a packed weight's own tensors kept on `packed` (a decode
+    step calls this ~120 times: only what can change between calls, x and autograd, is checked each time)."""
+    if packed is None or packed.data.device.type != "cpu":
+        return supports(x, weight, bias)
+    key = (x.dtype, x.device.type, x.shape[-1], id(weight), id(bias))
+    verdict = packed.verdicts.get(key)
+    if verdict is None:
+        with torch.no_grad():  # the tensors' own checks; autograd is checked on every call below
+            verdict = packed.verdicts[key] = supports(x, weight, bias)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    return verdict and not grad

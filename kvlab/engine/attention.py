@@ -177,15 +177,21 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if kvlab_meta is None:
         raise RuntimeError("kvlab_paged attention runs only inside the kvlab engine (no kvlab_meta given)")
-    meta, layer = kvlab_meta, module.layer_idx
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    out = paged_attention(kvlab_meta, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), scaling, softcap)  # [T, Hq, D]
+    return out.unsqueeze(0), None
+
+
+def paged_attention(meta: StepMetadata, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scaling: float, softcap: float | None) -> torch.Tensor:
+    """One layer's attention on packed rows: q [T, Hq, D], key / value [T, Hkv, D] (RoPE applied) -> [T, Hq, D].
+    The new keys and values go into the pool first (kvlab/engine/lean_forward.py calls this directly)."""
     if meta.query_rows is not None:
         meta.queries[layer] = q.index_select(0, meta.query_rows)  # [W, Hq, D]
-    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     entries = meta.cache.groups_of[layer]  # [(group, KV head)]: one, or one per KV head (per-head tables)
     outs = []
     for group, head in entries:
@@ -202,8 +208,7 @@ def paged_attention_forward(
         if meta.collect_stats:  # attention mass each cached key received from this step's queries
             out, meta.stats[group] = out
         outs.append(out)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
-    return out.unsqueeze(0), None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [T, Hq, D]
 
 
 def rows_alone(meta: StepMetadata, layer: int, group: int, head: int | None, q, key, value, plan, scaling, softcap,

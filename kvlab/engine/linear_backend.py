@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.engine.linear_layout import FusedPart, LinearLayout, apply_linear_layout
+from kvlab.engine.linear_layout import FusedPart, LinearLayout, apply_linear_layout, rewired
 from kvlab.kernels.cpu import linear as cpu_linear
 
 LinearBackend = Literal["torch", "cpu"]
@@ -77,6 +77,7 @@ def apply_linear_backend(model: nn.Module, backend: LinearBackend, max_rows: int
     products run on the kernel now. Apply the layout first (apply_linear: a wrapped layer is not fused)."""
     if backend not in ("torch", "cpu"):
         raise ValueError(f"linear_backend {backend!r}: choose 'torch' or 'cpu'")
+    rewired(model)
     restore(model)
     if backend == "torch":
         return 0

@@ -32,6 +32,7 @@ from torch import nn
 LinearLayout = Literal["none", "auto"]
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # modules reading one input
 _STATE = "_kvlab_linear_layout"  # model attribute: [(owner module, names, original Linear modules)]
+_REWIRED = "_kvlab_linear_rewired"  # model attribute: how many times its linear modules were changed
 
 
 class FusedProduct:
@@ -73,11 +74,22 @@ class FusedPart(nn.Module):
         return self.product.part(x, self.i)
 
 
+def rewired(model: nn.Module) -> None:
+    """Count a change of `model`'s linear modules (layout or backend): kvlab/engine/lean_forward.py rebuilds
+    what it holds of them when the count moves."""
+    model.__dict__[_REWIRED] = model.__dict__.get(_REWIRED, 0) + 1
+
+
+def rewirings(model: nn.Module) -> int:
+    return model.__dict__.get(_REWIRED, 0)
+
+
 def apply_linear_layout(model: nn.Module, layout: LinearLayout) -> int:
     """Lay `model`'s linear layers out as `layout` (in place; `none` undoes `auto`); returns how many groups
     are fused now."""
     if layout not in ("none", "auto"):
         raise ValueError(f"linear_layout {layout!r}: choose 'none' or 'auto'")
+    rewired(model)
     restore(model)
     if layout == "none":
         return 0

@@ -15,6 +15,7 @@ import torch
 
 from kvlab.engine.attention import plan_step
 from kvlab.engine.batch_invariant import BatchInvariantMode
+from kvlab.engine.lean_forward import lean_forward
 from kvlab.cache.paged_kv import PagedKV
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.sequence import Sequence
@@ -39,6 +40,8 @@ class ModelRunner:
         self.cache = kv.cache
         self.block_manager = kv.block_manager
         self.device = torch.device(device)
+        # transformers' forward without its module stack, same ops (kvlab/engine/lean_forward.py); None: not this model
+        self.lean = None if batch_invariant else lean_forward(model)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None, stats: bool = False) -> StepOutput:
@@ -56,16 +59,18 @@ class ModelRunner:
                 offset += n
             meta.query_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.kv.apply_copies()  # copy-on-write: before the forward writes into the copies
-        with BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext():
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=keep,
-                kvlab_meta=meta,
-            )
+        logits = None if self.lean is None else self.lean(input_ids, positions, keep, meta)  # [R, V]
+        if logits is None:
+            with BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext():
+                logits = self.model(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    logits_to_keep=keep,
+                    kvlab_meta=meta,
+                ).logits[0]
         queries = {layer: list(q.split(counts)) for layer, q in meta.queries.items()} if counts else {}
-        return StepOutput(out.logits[0].float(), sample_rows, score_rows, queries=queries, stats=meta.stats,
+        return StepOutput(logits.float(), sample_rows, score_rows, queries=queries, stats=meta.stats,
                           verify_rows=verify_rows)
 
     def prepare(self, batch: ScheduledBatch):

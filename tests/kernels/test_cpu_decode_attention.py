@@ -172,21 +172,24 @@ class ListLessor:
         return lambda page: page <= 6
 
 
-def filled_cache(name, args, lessor=None):
+def filled_cache(name, args, lessor=None, bs=BS):
     """Three sequences written into a packed pool: sealed pages, open pages (residual rows) and a short one."""
     torch.manual_seed(4)
     quant = build_plugin("quant", name, **args)
-    cache = KVCache([LayerGroup((0,))], 8 if lessor is None else 100, BS, HKV, D, quant, torch.float32, "cpu",
-                    lessor=lessor)
-    lens, tables = [50, 70, 3], [[1, 2], [3, 4, 5], [6]]
+    lens = [50, 70, 3]
+    per = [-(-n // bs) for n in lens]
+    tables = [list(range(1 + sum(per[:i]), 1 + sum(per[: i + 1]))) for i in range(3)]
+    cache = KVCache([LayerGroup((0,))], sum(per) + 2 if lessor is None else 300, bs, HKV, D, quant, torch.float32,
+                    "cpu", lessor=lessor)
     for table, n in zip(tables, lens):
         index = torch.arange(n)
-        slots = torch.tensor(table)[index // BS] * BS + index % BS
-        seal = leaving_window([table], [n], [n], getattr(quant, "residual", None) or 0, BS)
+        slots = torch.tensor(table)[index // bs] * bs + index % bs
+        seal = leaving_window([table], [n], [n], getattr(quant, "residual", None) or 0, bs)
         x = torch.randn(n, HKV, D)
         cache.begin_step([slots], None if cache.residual is None else [seal])
         cache.store(0, x * 2, x.flip(-1), slots)
-    return cache, torch.tensor([[1, 2, -1], [3, 4, 5], [6, -1, -1]]), torch.tensor(lens)
+    width = max(per)
+    return cache, torch.tensor([t + [-1] * (width - len(t)) for t in tables]), torch.tensor(lens)
 
 
 PACKED = [
@@ -207,6 +210,36 @@ def test_packed_pages_dequantised_in_the_kernel(name, args, leased):
     cu = torch.tensor([0, 1, 2, 3])
     got = cpu.paged_attention(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=60)
     want = paged_attention_ref(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=60)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+
+
+PACKED_GRID = [  # every block size with each packed kind the kernel reads in registers (int8, fp8) or decodes (KIVI)
+    (name, args, bs) for bs in (1, 4, 16, 32) for name, args in
+    [("int8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {})]
+    + ([("int4", {"residual": bs, "group_size": bs})] if bs >= 4 else [])
+]
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("name,args,bs", PACKED_GRID,
+                         ids=[f"{n}-b{bs}-{'res' if a.get('residual') else 'sealed'}" for n, a, bs in PACKED_GRID])
+def test_packed_pages_at_every_block_size(name, args, bs, window):
+    """int8 / fp8 codes widened in registers (their scales on the scores and weights), KIVI pages and their open
+    pages' residual rows decoded: each against the reference, with and without a window."""
+    cache, tables, lens = filled_cache(name, args, bs=bs)
+    q = torch.randn(3, 4, D)
+    cu = torch.tensor([0, 1, 2, 3])
+    got = cpu.paged_attention(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=window)
+    want = paged_attention_ref(q, cache.k(0), cache.v(0), tables, cu, lens, 0.125, sliding_window=window)
+    torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+
+
+def test_bf16_queries_on_a_bf16_pool_match_the_reference():
+    """bf16 queries over a bf16 pool: scored with VDPBF16PS pairs where the CPU has it (the engine's bf16 steps)."""
+    batch = make_paged_batch([1] * 5, [1, 17, 64, 300, 600], 3, 3, 64, 16, torch.bfloat16, torch.float32)
+    q32 = batch.q.bfloat16().float()  # bf16 values held in float32: the kernel's exact-bf16 check takes them
+    got = cpu.paged_attention(q32, *batch.args()[1:])
+    want = paged_attention_ref(q32, *batch.args()[1:])
     torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
 
 
