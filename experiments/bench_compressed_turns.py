@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvlab.study.bench_io import write_results
+from kvlab.study.bench_io import key_table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"nocache": {}, "reuse": {"reuse_compressed": True}}
@@ -116,10 +116,7 @@ def main(argv=None) -> dict:
 
 
 def report(results: dict, args) -> str:
-    cols = list(results["rows"][0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in results["rows"]:
-        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    lines = [key_table(results["rows"])]
     agree = [f"- {n}: " + ", ".join(f"turn {t}: {a:.3f} over {k}" for t, (a, k) in per.items())
              for n, per in results["agreement_with_nocache"].items()]
     return "\n".join([

@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvlab.study.bench_io import uptime, write_results
+from kvlab.study.bench_io import key_table, uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -118,10 +118,7 @@ def main(argv=None) -> dict:
 
 
 def report(results: dict, args) -> str:
-    cols = list(results["rows"][0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in results["rows"]:
-        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    lines = [key_table(results["rows"])]
     same = ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in results["answers_identical_to_recompute"].items())
     return "\n".join([
         f"# KV tiers below the pool: {args.model}", "",

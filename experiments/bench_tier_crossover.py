@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlab.study.bench_io import uptime, write_results
+from kvlab.study.bench_io import key_table, uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"recompute": {}, "disk": {"offload": "disk"},
@@ -122,10 +122,7 @@ def main(argv=None) -> dict:
 
 
 def report(results: dict, args) -> str:
-    cols = list(results["rows"][0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in results["rows"]:
-        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    lines = [key_table(results["rows"])]
     return "\n".join([
         f"# Restore from disk or recompute: {args.model}", "",
         f"A returning turn: a history of `history_tokens` WikiText-2 tokens and its answer, then a {args.user_len}-token "

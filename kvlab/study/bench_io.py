@@ -40,6 +40,15 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def key_table(rows: list[dict]) -> str:
+    """Markdown table of `rows` with the first row's keys as the headings, floats to 4 significant digits."""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |"
+              for row in rows]
+    return "\n".join(lines)
+
+
 def metadata(args) -> dict:
     """The runner's run metadata (kvlab.study.experiment.run_meta: git state, package versions, host, start time)
     and what the report adds: the command, the machine, the load."""
