@@ -66,7 +66,7 @@ def _kernel():
     fn = lib.kvlab_decode_attention
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, i64, i64, ctypes.POINTER(_Side), ctypes.POINTER(_Side), p, i64, p, p, p,
-                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32, p, i64, p]
+                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32, p, i64, p, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -92,6 +92,7 @@ class _DecodeRows:
     first_key: torch.Tensor  # [n] int32 first visible cache index (sliding window)
     tables: torch.Tensor  # [n, width] int32 (-1: released / padding)
     from_end: torch.Tensor | None  # [n] int64 q_len - j for query j (1: the last); None: one row per sequence
+    group: torch.Tensor  # [n] int32 the plan's row again (the kernel runs a sequence's rows chunk by chunk)
     all_decode: bool  # every token is a kernel row
     extend_plan: AttentionPlan | None
     extend_tokens: torch.Tensor | None  # [m] int64 packed tokens of the extend rows
@@ -156,6 +157,7 @@ def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
     return _DecodeRows(
         tokens=as_i32([cu[b] + j for b, j in zip(seq, local)]),
         rows=torch.tensor(seq, dtype=torch.int64),
+        group=torch.tensor(seq, dtype=torch.int32),
         seq_lens=as_i32(own_lens),
         first_key=as_i32([0 if w is None else max(0, n - w) for n in own_lens]),
         tables=tables.contiguous(),
@@ -301,7 +303,7 @@ def run_paged_attention(
         rows.tokens.data_ptr(), rows.seq_lens.data_ptr(), rows.first_key.data_ptr(),
         rows.tokens.shape[0], hkv, q.shape[1] // hkv, d, bs, float(scale), float(softcap or 0.0), CHUNK_KEYS,
         torch.get_num_threads(), stats_ptr, 0 if stats is None else (stats if per_row is None else per_row).stride(1),
-        None if stats_off is None else stats_off.data_ptr())
+        None if stats_off is None else stats_off.data_ptr(), None if rows.one_per_sequence else rows.group.data_ptr())
     if status:
         raise RuntimeError(f"kvlab_decode_attention failed with status {status}")
     if per_row is not None:
