@@ -123,3 +123,27 @@ def test_a_tree_whose_rows_are_a_chain_runs_the_kernel(monkeypatch):
     got = cpu.run_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
     assert calls == [5]
     torch.testing.assert_close(got, want, **attention_tolerance(torch.float32))
+
+
+DRAFTS = {"ngram": {"num_tokens": 4},
+          "self_compressed": {"policy": "streaming_llm", "policy_args": {"budget": 32}, "num_tokens": 4}}
+
+
+@pytest.mark.parametrize("draft", list(DRAFTS))
+def test_greedy_with_a_draft_equals_plain_decoding_with_verification_on_the_kernel(draft, monkeypatch):
+    """fp32 tiny Llama, the CPU linear kernel too: drafted tokens verified in kernel rows (every chunk of
+    k + 1 = 5 queries), the outputs those of plain decoding."""
+    from kvlab import LLM, SamplingParams
+    from kvlab.testing.policies import prompts as policy_prompts
+
+    batch = policy_prompts(256, lengths=(61, 40, 23))
+    engine = dict(block_size=16, kv_cache_memory="4MiB", linear_backend="cpu", dtype="float32")
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in LLM("random:llama-tiny", **engine).generate(batch, sp)]
+    chains, build = [], cpu._build_decode_rows
+    monkeypatch.setattr(cpu, "_build_decode_rows", lambda plan: chains.append(plan.q_lens) or build(plan))
+    llm = LLM("random:llama-tiny", draft=draft, draft_args=DRAFTS[draft], **engine)
+    got = [o.token_ids for o in llm.generate(batch, sp)]
+    verified = [q for q in chains if max(q) == 5]
+    assert verified and llm.stats()["spec_drafted_tokens"] > 0
+    assert got == want
