@@ -3,11 +3,22 @@
 Same signatures as kvlab.kernels.reference.paged_attention. Decode rows (one query each) run the C++
 kernel, which reads K/V straight from the pool through the block table (each cached byte once, online
 softmax, the G query heads of a KV head sharing every decoded row; PagedAttention arXiv:2309.06180,
-Flash-Decoding's split over key ranges). Extend rows (prefill chunks, verification, token trees) run the
-reference over a plan of their own, with their rows of a tree mask; a decode row runs the kernel unless a tree
-mask hides one of its keys (then it joins them). A pool the kernel cannot read runs the whole step on the
-reference. Attention statistics (`return_stats`): the kernel's for its rows (the mass each key received,
-summed over the G query heads), the reference's for the others.
+Flash-Decoding's split over key ranges). A short extend chunk (q_len <= MAX_KERNEL_Q: a verification pass of
+k + 1 rows) whose tree mask, if any, hides none of its queries' causal keys runs the kernel too, as q_len decode
+rows: query j reads cache indices [first_key_j, seq_len - q_len + j] (its causal prefix, its own sliding-window
+start) through the sequence's table, the chunk's rows taking turns key chunk by key chunk so a chunk read for
+one query is in cache for the next. The engine stores the pass's K/V before attending
+(kvlab/engine/attention.py), so the drafted tokens' keys are in the pool. Longer chunks (prefill) and branching
+token trees run the reference over a plan of their own, with their rows of a tree mask. A pool the kernel cannot
+read runs the whole step on the reference. Attention statistics (`return_stats`): the kernel's for its rows (the
+mass each key received, summed over the G query heads; a chunk's queries each into a row of their own, then
+summed per sequence over its last `stats_window` queries, as the reference counts), the reference's for the
+others.
+
+MAX_KERNEL_Q = 16: the kernel reads a chunk's pages once per query (from cache for all but the first where a
+key chunk fits it) and the reference gathers them once; measured at 16 sequences x 4096 keys fp32, SmolLM2's
+heads, one thread, the kernel took 0.38 of the reference's time at q_len 5 and ~0.7 at q_len 16
+(experiments/results/verify_attention_cpu.md), so 16 keeps every chunk where the kernel is the faster.
 
 A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
 row alone, never on the batch. The engine's batch-invariant mode still runs kvlab.kernels.reference.
