@@ -35,9 +35,9 @@ from kvlab.kernels.cpu import linear as cpu_linear
 
 LinearBackend = Literal["torch", "cpu"]
 MAX_ROWS = 256  # passes of at most this many rows run the kernel (decode, verification); larger ones torch (prefill)
-# 256 = batch 32 x (k + 1 = 8). Measured on SmolLM2's fp32 layer shapes (1 thread, load ~9): the kernel took 0.4x
-# F.linear's time at 16-256 rows (and still at 512 / 1024: experiments/results/self_speculation_regime_smollm2.md);
-# longer prefill chunks stay on torch so as not to move prefill's rounding further than verification needs.
+# 256 = batch 32 x (k + 1 = 8). On SmolLM2's fp32 shapes (1 thread, load ~6) the kernel took 0.37-0.5 of
+# F.linear's time at 32-256 rows (experiments/results/linear_verification_rows_smollm2.md); longer prefill chunks
+# stay on torch so as not to move prefill's rounding further than verification needs.
 
 
 class SmallBatchProduct:
