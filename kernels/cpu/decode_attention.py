@@ -18,7 +18,7 @@ others.
 MAX_KERNEL_Q = 16: the kernel reads a chunk's pages once per query (from cache for all but the first where a
 key chunk fits it) and the reference gathers them once; measured at 16 sequences x 4096 keys fp32, SmolLM2's
 heads, one thread, the kernel took 0.28 of the reference's time at q_len 5 and 0.55 at q_len 16, its time
-growing ~7 ms a query where the reference's grows ~4 (experiments/results/verify_attention_cpu.md): 16 keeps
+growing ~7 ms a query where the reference's grows ~5 (experiments/results/verify_attention_cpu.md): 16 keeps
 the chunks where the kernel is clearly the faster (verification's k + 1; prefill chunks are longer).
 
 A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
