@@ -32,7 +32,9 @@ from pathlib import Path
 from kvlab.study.bench_io import key_table, uptime, write_results
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"recompute": {}, "disk": {"offload": "disk"},
+VARIANTS = {"pool_hit": {}, "recompute": {}, "disk": {"offload": "disk"},
+            "disk_recompute": {"offload": "disk", "offload_placement": "cost_aware",  # demotes, never restores
+                               "offload_placement_args": {"measured": False, "disk_latency_s": 1e6}},
             "disk_sync_writes": {"offload": "disk", "offload_args": {"async_writes": False}},
             "cost_aware": {"offload": "disk", "offload_placement": "cost_aware"}}
 
@@ -41,27 +43,41 @@ def one(loaded, text: list[int], length: int, variant: str, args, page_bytes: in
     from kvlab import LLM, SamplingParams
 
     bs = args.block_size
-    pool_pages = -(-(length + args.user_len + 8) // bs) + 2
-    llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=bs, kv_cache_memory=pool_pages * page_bytes,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, **VARIANTS[variant])
+    pool_pages = pool_size(length, args)
+    pages = pool_pages * (3 if variant == "pool_hit" else 1)  # pool_hit: the history stays in the pool
+    engine = copy.deepcopy(VARIANTS[variant])
+    if args.cold and variant == "cost_aware":  # it is told its pages come back cold: it calibrates cold reads
+        engine["offload_placement_args"] = {"cold_calibration": True}
+    llm = LLM(args.model, loaded=copy.deepcopy(loaded), block_size=bs, kv_cache_memory=pages * page_bytes,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, **engine)
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
-    first, filler, message = text[:length], text[length:length + (pool_pages - 1) * bs], text[-args.user_len:]
+    filler_len = pool_pages * bs - 1  # with its sampled token it takes every page: the whole history leaves
+    first, filler, message = text[:length], text[length:length + filler_len], text[-args.user_len:]
     answer = llm.generate([first], one_token)[0].token_ids
     llm.generate([filler], one_token)
+    if args.cold:  # the history was written long ago: its page files are read from the device
+        for tier in llm.engine.kv.tiers:
+            if hasattr(tier, "drop_cached"):
+                tier.drop_cached()
     start = time.perf_counter()
     out = llm.generate([first + answer + message], one_token)[0]
     wall = time.perf_counter() - start
     stats = llm.stats()
     placement = llm.engine.kv.places.placement if llm.engine.kv.places is not None else None
     cross = placement.crossover_tokens(0) if hasattr(placement, "crossover_tokens") else None
-    pages = -(-length // bs)  # the history's pages: the model's two sides for this request, at the end
-    predicted = (placement.restore_seconds(0, pages), placement.recompute_seconds(pages * bs)) \
+    hist = length // bs  # the history's full pages (the ones a hit can restore): the model's two sides, at the end
+    predicted = (placement.restore_seconds(0, hist), placement.recompute_seconds(hist * bs)) \
         if hasattr(placement, "rates") else (None, None)
     llm.close()
     return {"ttft_s": out.ttft_s if out.ttft_s is not None else wall, "restored": stats.get("tier_restored", 0),
             "refused": stats.get("tier_refused", 0),
             "recomputed": stats.get("tier_recomputed", 0), "crossover_estimate": cross, "predicted": predicted,
             "answer": out.outputs[0].token_ids}
+
+
+def pool_size(length: int, args) -> int:
+    """Pool pages: one history, its answer and message, and two spare."""
+    return -(-(length + args.user_len + 8) // args.block_size) + 2
 
 
 def main(argv=None) -> dict:
@@ -82,35 +98,17 @@ def main(argv=None) -> dict:
     page_bytes = probe.engine.bytes_per_block
     del probe
     lengths = [int(x) for x in args.lengths.split(",")]
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
     rows = []
     for length in lengths:
-        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for r in range(args.repeats):
-            offset = (r * 7919 + length * 131) % (len(corpus) - 3 * length - 4 * args.user_len - 64)
-            text = corpus[offset:offset + 3 * length + 2 * args.user_len + 64]
-            for v in (VARIANTS if r % 2 == 0 else list(VARIANTS)[::-1]):
+            size = length + pool_size(length, args) * args.block_size + args.user_len  # history, filler, message
+            offset = (r * 7919 + length * 131) % (len(corpus) - size - 1)
+            text = corpus[offset:offset + size]
+            for v in (variants if r % 2 == 0 else variants[::-1]):
                 runs[v].append(one(loaded, text, length, v, args, page_bytes))
-        med = {v: statistics.median(x["ttft_s"] for x in rs) for v, rs in runs.items()}
-        ca = runs["cost_aware"]
-        choice = ("restore" if all(x["restored"] for x in ca) else "recompute" if not any(x["restored"] for x in ca)
-                  else "mixed")
-        hit = statistics.median(x["restored"] for x in runs["disk"]) > 0  # else no variant restores: nothing to choose
-        faster = ("restore" if med["disk"] < med["recompute"] else "recompute") if hit else "n/a"
-        same = all(x["answer"] == rs[0]["answer"] for rs in zip(*runs.values()) for x in rs)
-        rows.append({"history_tokens": length, "ttft_recompute_ms": med["recompute"] * 1e3,
-                     "ttft_disk_restore_ms": med["disk"] * 1e3,
-                     "ttft_disk_sync_writes_ms": med["disk_sync_writes"] * 1e3,
-                     "ttft_cost_aware_ms": med["cost_aware"] * 1e3,
-                     "restore_speedup": med["recompute"] / med["disk"], "faster": faster, "cost_aware_chose": choice,
-                     "cost_aware_correct": (choice == faster or abs(med["disk"] / med["recompute"] - 1) < 0.1) if hit
-                     else "n/a",
-                     "cost_aware_vs_faster": med["cost_aware"] / min(med["disk"], med["recompute"]),
-                     "crossover_estimate_tokens": statistics.median(x["crossover_estimate"] for x in ca),
-                     "predicted_restore_ms": statistics.median(x["predicted"][0] for x in ca) * 1e3,
-                     "predicted_recompute_ms": statistics.median(x["predicted"][1] for x in ca) * 1e3,
-                     "cost_aware_refused_pages": statistics.median(x["refused"] for x in ca),
-                     "disk_restored_pages": statistics.median(x["restored"] for x in runs["disk"]),
-                     "answers_identical": same})
+        rows.append(row(length, runs))
         print(rows[-1], flush=True)
     command = " ".join(["python experiments/bench_tier_crossover.py", *(sys.argv[1:] if argv is None else argv)])
     results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
@@ -119,6 +117,31 @@ def main(argv=None) -> dict:
     write_results(args.out, results, report(results, args))
     return results
 
+
+
+def row(length: int, runs: dict[str, list[dict]]) -> dict:
+    """One history length's table row: TTFT medians, the two sides measured against the pool hit (the history
+    resident: only the message computed) and as cost_aware predicted them, its choice and whether it was right."""
+    med = {v: statistics.median(x["ttft_s"] for x in rs) for v, rs in runs.items()}
+    ca = runs["cost_aware"]
+    choice = ("restore" if all(x["restored"] for x in ca) else "recompute" if not any(x["restored"] for x in ca)
+              else "mixed")
+    hit = statistics.median(x["restored"] for x in runs["disk"]) > 0  # else no variant restores: nothing to choose
+    faster = ("restore" if med["disk"] < med["disk_recompute"] else "recompute") if hit else "n/a"
+    close = abs(med["disk"] / med["disk_recompute"] - 1) < 0.1
+    out = {"history_tokens": length, **{f"ttft_{v}_ms": m * 1e3 for v, m in med.items()},
+           "restore_speedup": med["disk_recompute"] / med["disk"], "faster": faster, "cost_aware_chose": choice,
+           "cost_aware_correct": (choice == faster or close) if hit else "n/a",
+           "cost_aware_vs_faster": med["cost_aware"] / min(med["disk"], med["disk_recompute"]),
+           "crossover_estimate_tokens": statistics.median(x["crossover_estimate"] for x in ca),
+           "measured_restore_ms": (med["disk"] - med["pool_hit"]) * 1e3,
+           "predicted_restore_ms": statistics.median(x["predicted"][0] for x in ca) * 1e3,
+           "measured_recompute_ms": (med["disk_recompute"] - med["pool_hit"]) * 1e3,
+           "predicted_recompute_ms": statistics.median(x["predicted"][1] for x in ca) * 1e3,
+           "cost_aware_refused_pages": statistics.median(x["refused"] for x in ca),
+           "disk_restored_pages": statistics.median(x["restored"] for x in runs["disk"]),
+           "answers_identical": all(x["answer"] == rs[0]["answer"] for rs in zip(*runs.values()) for x in rs)}
+    return out
 
 
 def report(results: dict, args) -> str:
@@ -148,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--variants", default="pool_hit,recompute,disk_recompute,disk,cost_aware",
+                   help=f"of {', '.join(VARIANTS)} (pool_hit, disk_recompute, disk and cost_aware needed)")
+    p.add_argument("--cold", action="store_true",
+                   help="drop the tier's page files from the OS page cache before the returning turn (cold reads)")
     p.add_argument("--out", default=str(REPO / "experiments" / "results" / "tier_crossover_smollm2"))
     return p.parse_args(argv)
 

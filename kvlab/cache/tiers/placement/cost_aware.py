@@ -50,6 +50,8 @@ class CostAwarePlacement(LRUPlacement):
     calibration_repeats: int = 3  # start-up rounds of forwards timed at least (0 with calibration_rounds=0: none)
     calibration_rounds: int = 30  # ... at most, while within calibration_budget_s
     calibration_budget_s: float = 0.1  # seconds of start-up forwards beyond the first calibration_repeats rounds
+    cold_calibration: bool = False  # the start-up restores read cold files (synced, dropped from the OS page
+    # cache: PagedKV.calibrate): pages that come back long after they went down
     samples: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of (pages, seconds)
     demotes: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of seconds per page
     compute: deque = field(default_factory=lambda: deque(maxlen=32), init=False, repr=False)  # (tokens, seconds)
