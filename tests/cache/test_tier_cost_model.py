@@ -131,3 +131,18 @@ def test_the_start_up_calibration_leaves_the_engine_as_it_was():
     assert (got.request_id, got.outputs[0].token_ids) == (want.request_id, want.outputs[0].token_ids)
     llm.close()
     ref.close()
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_cold_calibration_reads_its_restores_from_the_device(monkeypatch, cold):
+    """`cold_calibration`: the start-up restores read files dropped from the page cache first (histories written
+    long ago), every timed run; without it they read what the writes left in memory."""
+    dropped = []
+    real = DiskTier.drop_cached
+    monkeypatch.setattr(DiskTier, "drop_cached", lambda self, keys=None: dropped.append(len(keys)) or real(self, keys))
+    llm = LLM("random:llama-tiny", block_size=4, kv_cache_memory=24 * 1024, enable_prefix_caching=True,
+              offload="disk", offload_placement="cost_aware", offload_placement_args={"cold_calibration": cold})
+    p = llm.engine.kv.places.placement
+    assert dropped == ([1, 1, 8, 1, 8, 1, 8] if cold else [])  # the warm-up run, then 3 x (1, 8) pages
+    assert len(p.samples[0]) == 6  # the timed runs observed either way
+    llm.close()
