@@ -117,6 +117,11 @@ def main(argv=None) -> dict:
                 runs[v].append(one(loaded, text, length, v, args, page_bytes))
         rows.append(row(length, runs))
         print({k: v for k, v in rows[-1].items() if k != "runs_ttft_ms"}, flush=True)
+        results = finish(args, argv, started, before, page_bytes, rows)  # every length kept, should a run be cut
+    return results
+
+
+def finish(args, argv, started: str, before: str, page_bytes: int, rows: list[dict]) -> dict:
     command = " ".join(["python experiments/bench_tier_crossover.py", *(sys.argv[1:] if argv is None else argv)])
     results = {"command": command, "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
                "uptime_before": before, "uptime_after": uptime(), "args": vars(args), "page_bytes": page_bytes,
