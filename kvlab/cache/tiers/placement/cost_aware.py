@@ -92,6 +92,16 @@ class CostAwarePlacement(LRUPlacement):
         obs = self.demotes.get(tier)
         return median(list(obs)) if self.measured and obs else 0.0
 
+    def compute_curve(self) -> tuple[float, float]:
+        """(seconds per token, per token squared) of a prefill: the parabola through the fastest calibration
+        forward of each of three sizes where it bends upward (the attention's part), else the straight line's
+        slope (`tokens_per_s`) and no quadratic part."""
+        if "curve" not in self._cache:
+            curve = cost_model.floor_curve(self.calibration) if self.measured else None
+            self._cache["curve"] = (max(curve[1], MIN_PER_TOKEN_S), curve[2]) if curve is not None else \
+                (1 / self.tokens_per_s(), 0.0)
+        return self._cache["curve"]
+
     def tokens_per_s(self) -> float:
         """The marginal recompute rate: the slope of the line through the fastest calibration forward of each
         size (a shared machine's noise only ever adds time), else of the observed steps' Theil-Sen line (the prior
@@ -104,14 +114,15 @@ class CostAwarePlacement(LRUPlacement):
 
     def rates(self) -> Rates:
         """The cost model's inputs now (kvlab.cache.tiers.placement.cost_model)."""
-        return Rates(1 / self.tokens_per_s(), {t: self.restore_line(t) for t in range(len(self.kinds))},
-                     {t: self.demote_seconds(t) for t in range(len(self.kinds))})
+        per_token, per_token2 = self.compute_curve()
+        return Rates(per_token, {t: self.restore_line(t) for t in range(len(self.kinds))},
+                     {t: self.demote_seconds(t) for t in range(len(self.kinds))}, per_token2)
 
     def restore_seconds(self, tier: int, pages: int = 1) -> float:
         return cost_model.restore_seconds(self.rates(), {tier: pages})
 
-    def recompute_seconds(self, tokens: int | None = None) -> float:
-        return cost_model.recompute_seconds(self.rates(), self.block_size if tokens is None else tokens)
+    def recompute_seconds(self, tokens: int | None = None, start: int = 0) -> float:
+        return cost_model.recompute_seconds(self.rates(), self.block_size if tokens is None else tokens, start)
 
     def worth(self, tier: int) -> bool:
         return cost_model.worth(self.rates(), tier, self.block_size, self.margin)
@@ -127,31 +138,34 @@ class CostAwarePlacement(LRUPlacement):
     def spill(self, key: Key, tier: int) -> int | None:
         return next((t for t in range(tier + 1, len(self.kinds)) if self.worth(t)), None)
 
-    def restore_pays(self, pages: dict[int, int], tokens: int) -> bool:
-        return cost_model.restore_pays(self.rates(), pages, tokens, self.margin)
+    def restore_pays(self, pages: dict[int, int], tokens: int, start: int = 0) -> bool:
+        return cost_model.restore_pays(self.rates(), pages, tokens, self.margin, start)
 
     # -- what the engine tells it ----------------------------------------------------
     def compute_sizes(self) -> tuple[int, ...]:
-        """The next calibration round: a short and a long forward, while fewer than `calibration_repeats` rounds
+        """The next calibration round: a short, a middle and a long forward (three sizes: the prefill's quadratic
+        part is seen; the engine cuts one beyond its step budget or pool), while fewer than `calibration_repeats` rounds
         were timed, or fewer than `calibration_rounds` within `calibration_budget_s` (cheap models get more
         rounds: their millisecond forwards are noisy)."""
-        rounds = len(self.calibration) // 2
+        rounds = len(self.calibration) // 3
         spent = sum(s for _, s in self.calibration)
         if not self.measured or rounds >= self.calibration_rounds or (
                 rounds >= self.calibration_repeats and spent >= self.calibration_budget_s):
             return ()
-        return self.block_size, max(8 * self.block_size, 64)
+        return self.block_size, max(8 * self.block_size, 64), max(32 * self.block_size, 256)
 
     def observe_calibration(self, tokens: int, seconds: float) -> None:
         """A start-up forward of `tokens` tokens took `seconds` (kept: the steady part of the compute fit)."""
         if tokens > 0 and seconds > 0:
             self.calibration.append((tokens, seconds))
             self._cache.pop("compute", None)
+            self._cache.pop("curve", None)
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.compute.append((tokens, seconds))
             self._cache.pop("compute", None)
+            self._cache.pop("curve", None)
 
     def observe_restore(self, tier: int, pages: int, seconds: float) -> None:
         self.samples.setdefault(tier, deque(maxlen=32)).append((pages, seconds))
