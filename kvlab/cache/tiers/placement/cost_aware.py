@@ -7,14 +7,16 @@ is, it is dropped. And when a hit would take pages back from the tiers (`restore
 that costs less than recomputing the tokens they hold (a restore's fixed latency, the reads ahead waited for
 included, makes the crossover), else the hit stops before them and they are recomputed.
 
-With `measured` (the default) the rates are the engine's own: the recompute rate is the slope of the line
-through the fastest forward of each size (noise on a shared machine only ever adds time) of the engine's start-up
-calibration (`compute_sizes`: rounds of forwards
-of `block_size` and max(8 x `block_size`, 64) tokens timed before any request, at least `calibration_repeats`, more
-while within `calibration_budget_s`), or without one a Theil-Sen line through its recent steps, so a step's fixed
-cost does not count and one slow step does not swing it; each tier's latency and
-per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, then every real
-restore: the copy and the wall time of its reads ahead), its demotion cost the median of the last ones. The
+With `measured` (the default) the rates are the engine's own: the recompute cost is the curve through the
+fastest forward of each size (noise on a shared machine only ever adds time) of the engine's start-up
+calibration (`compute_sizes`: rounds of forwards of `block_size`, max(8 x `block_size`, 64) and
+max(32 x `block_size`, 256) tokens timed before any request, at least `calibration_repeats`, more while within
+`calibration_budget_s`): a parabola where it bends upward (a prefill's attention part grows with the square of
+its length), else a straight line; without a calibration a Theil-Sen line through its recent steps, so a step's
+fixed cost does not count and one slow step does not swing it; each tier's latency and
+per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, cold reads with
+`cold_calibration`, then every real restore: the copy and the wall time of its reads ahead), its demotion cost
+the median of the last ones. The
 parameters below are the priors used until there are samples. A full tier's victim is its least recently
 inserted page, spilled to the next tier only if that tier passes the same test. In the spirit of LMCache's and
 Mooncake's store-vs-recompute trade-off (Cheng et al. 2024, arXiv:2409.13761; Qin et al. 2024, arXiv:2407.00079).
