@@ -25,6 +25,9 @@ With --cold the tier's page files are synced and dropped from the OS page cache 
     python experiments/bench_tier_crossover.py --model random:llama-tiny --block-size 4 --lengths 4,8,16,32,64 \
         --user-len 8 --repeats 3 --out /tmp/crossover_tiny        # seconds
     nice -n 10 .venv/bin/python experiments/bench_tier_crossover.py --out experiments/results/tier_crossover_smollm2
+    nice -n 10 .venv/bin/python experiments/bench_tier_crossover.py --model random:kv-smollm2 --block-size 2 \
+        --lengths 16,64,128,256 --user-len 16 --repeats 9 --cold \
+        --out experiments/results/tier_crossover_kv_smollm2_bs2_cold                  # ~4 min on 2 loaded cores
 """
 
 from __future__ import annotations
