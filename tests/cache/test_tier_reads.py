@@ -220,3 +220,21 @@ def test_cost_aware_in_the_engine_chooses_recompute_or_restore(latency, restores
     assert (stats["tier_restored"] > 0) == restores and (stats["tier_recomputed"] > 0) == (not restores)
     assert stats["tier_prefetched"] == (stats["tier_restored"] if restores else 0)  # nothing read to be recomputed
     llm.close()
+
+
+def test_restore_or_recompute_is_asked_with_the_tokens_the_hit_keeps_before_its_tier_blocks(monkeypatch):
+    """The quadratic part of recomputing depends on where the blocks sit: `restore_pays` hears how many tokens
+    of the hit stay before its first tier block (`start`), here a partly evicted history (resident head)."""
+    calls = []
+    real = CostAwarePlacement.restore_pays
+    monkeypatch.setattr(CostAwarePlacement, "restore_pays", lambda self, pages, tokens, start=0:
+                        calls.append((pages, tokens, start)) or real(self, pages, tokens, start))
+    llm = LLM("random:llama-tiny", offload="disk", offload_placement="cost_aware",
+              offload_placement_args={"measured": False, "disk_latency_s": 0.0}, **ENGINE)
+    answer = llm.generate([FIRST], PARAMS)[0].token_ids
+    llm.generate([FILLERS[0]], PARAMS)  # one filler: only part of A's history goes down
+    llm.generate([FIRST + answer + tokens(7, 5)], PARAMS)
+    assert llm.stats()["tier_restored"] > 0
+    llm.close()
+    assert calls and all(start % ENGINE["block_size"] == 0 for _, _, start in calls)
+    assert any(start > 0 for _, _, start in calls), calls  # the resident head counted, not recomputed as if at 0
