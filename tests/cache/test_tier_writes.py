@@ -105,7 +105,7 @@ def test_writes_in_flight_are_bounded(tmp_path, gate):
 
 
 def test_a_failed_write_is_recomputed_with_a_warning(monkeypatch):
-    from tests.cache.test_tier_reads import ENGINE, OTHER, PARAMS, reference, returning_turn
+    from returning_turn import ENGINE, OTHER, PARAMS, reference, returning_turn
 
     want = reference()
 
