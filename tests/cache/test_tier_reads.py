@@ -18,7 +18,7 @@ from kvlab.cache.tiers.placement.cost_aware import CostAwarePlacement, fit
 from kvlab.sequence import SequenceStatus
 from kvlab.testing.tiers import manual_tier
 
-from returning_turn import ENGINE, OTHER, PARAMS, reference, returning_turn
+from returning_turn import ENGINE, FILLERS, FIRST, OTHER, PARAMS, reference, returning_turn, tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
