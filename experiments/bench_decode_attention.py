@@ -39,7 +39,7 @@ FORMATS = ["fp32", "bf16", "bf16-q", "fp16", "int8", "fp8_e4m3", "int4"]
 DEFAULT_FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
 QUERY_BF16 = {"bf16-q": "bf16"}  # a bf16 pool read by bf16 queries (the engine's bf16 compute dtype)
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
-COLUMNS = [("batch", "batch"), ("q_len", "query rows a sequence"), ("context", "context"), ("format", "format"), ("mib", "K+V MiB read"),
+COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("q_len", "query rows a sequence"), ("mib", "K+V MiB read"),
            ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
            ("kernel_gbs", "kernel GB/s"), ("kernel_roof", "kernel / roof"), ("ref_roof", "reference / roof"),
            ("kernel_cpu_roof", "kernel / roof, CPU time"), ("ref_cpu_roof", "reference / roof, CPU time"),

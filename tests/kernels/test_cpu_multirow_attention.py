@@ -16,7 +16,7 @@ from kvlab.kernels.cpu import decode_attention as cpu
 from kvlab.kernels.reference import paged_attention as ref_module
 from kvlab.kernels.reference.paged_attention import paged_attention_ref
 from kvlab.kernels.testing import CACHE_DTYPES, attention_tolerance, make_paged_batch
-from tests.kernels.test_cpu_decode_attention import D, PACKED, ListLessor, filled_cache
+from test_cpu_decode_attention import D, PACKED, ListLessor, filled_cache
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: the CPU kernels fall back")
 
