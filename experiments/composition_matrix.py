@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+ADAKV_H2O = {"budget": 32, "scorer": "h2o", "scorer_args": {"recent": 8}}  # adakv over accumulated attention
 KINDS = ("draft", "policy", "quant", "prefix", "samples", "allocator")
 MARK = {"exact": "✔", "held": "≈", "differed": "≠", "refused": "✘", "FAIL": "FAIL"}
 
@@ -38,7 +39,8 @@ def options(default_mode: bool = False) -> dict[str, dict[str, dict]]:
     load_plugins()
     return {
         "draft": {d: {"draft": d, "draft_args": a} for d, a in DRAFT_ARGS.items()},
-        "policy": {p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
+        "policy": {**{p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
+                   "adakv/h2o": {"policy": "adakv", "policy_args": ADAKV_H2O}},
         "quant": {q: {"quant": q, **({} if default_mode else {"batch_invariant": True})}
                   for q in QUANT_FORMATS.names() if q not in ("fp32", "auto")},
         "prefix": {**{i: {"enable_prefix_caching": True, "prefix_cache": i} for i in ("hash", "radix")},
