@@ -1,6 +1,6 @@
-"""Kept compressed turns with per-head budgets (AdaKV, Feng et al. 2024, arXiv:2407.11550; EngineConfig.reuse_compressed):
-a kept turn's KV heads hold different numbers of tokens, and the request continuing it compresses again at its
-prompt's end over each head's own tokens (kvlab.policies.adakv.AdaKV.select_heads).
+"""Kept compressed turns (EngineConfig.reuse_compressed) with per-head budgets (AdaKV, Feng et al. 2024,
+arXiv:2407.11550): a kept turn's KV heads hold different numbers of tokens, and the request continuing it
+compresses again at its prompt's end over each head's own tokens (kvlab.policies.adakv.AdaKV.select_heads).
 
 Here: the continuation's first forward reads exactly what the finished turn held, head by head; its compression
 keeps, per head, what a reference written out over that head's tokens alone keeps (the scorer on the head's own
@@ -22,6 +22,8 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.models import LoadedModel, load_model
+from kvlab.testing import check_combination
+from kvlab.testing.builtin_args import POLICY_ARGS
 from kvlab.testing.drafts import check_nothing_left
 from tests.engine.test_compressed_turns import held, same, spy_turn_reads
 from tests.policies.test_adakv_h2o import sharp_and_flat
@@ -107,7 +109,8 @@ def reference_keep(llm: LLM, layer: int, seq_len: int, heads: list, queries: tor
     scorer.begin(seq_len)
     score = []
     for h, ((keys, values), mass) in enumerate(heads):
-        q = None if queries is None else queries[:, h * queries.shape[1] // n_heads:(h + 1) * queries.shape[1] // n_heads]
+        g = 0 if queries is None else queries.shape[1] // n_heads  # query heads per KV head
+        q = None if queries is None else queries[:, h * g:(h + 1) * g]
         score.append([float(s) for s in scorer.score(layer, keys, values, q, mass)[:, 0]])
     keep = min(BUDGET, seq_len)
     safe = max(1, int(keep * ALPHA))
@@ -137,7 +140,7 @@ def test_the_continuation_compresses_each_head_over_its_own_tokens(model, scorer
         assert sum(map(len, want)) == BUDGET * len(heads)
         for h, (((keys, values), mass), ((k_after, v_after), m_after)) in enumerate(zip(heads, call["after"][layer])):
             assert torch.equal(k_after[:, 0], keys[want[h], 0]) and torch.equal(v_after[:, 0], values[want[h], 0]), \
-                f"layer {layer} head {h}: holds other tokens than the reference keeps ({k_after.shape[0]} vs {len(want[h])})"
+                f"layer {layer} head {h}: other tokens than the reference keeps ({k_after.shape[0]} vs {len(want[h])})"
             if mass is not None:  # H2O: each head's totals follow its own kept tokens
                 assert torch.equal(m_after, mass[want[h]])
         assert scorer != "h2o" or all(m is not None for _, m in heads)
@@ -192,3 +195,19 @@ def test_without_a_hit_the_output_is_that_of_reuse_off(model, scorer):
     assert llm.generate([P1 + off_first + NEW], GREEDY)[0].outputs[0].token_ids == off_second
     assert llm.engine.stats()["turn_reuse_hits"] == 0
     check_nothing_left(llm, f"adakv/{scorer}")
+
+
+TINY_POOLS = {"random:llama-tiny": {}, "random:gemma3-tiny": {  # one KV head, 6 layer groups: 4 KiB pages
+    "small_pools": ("112KiB", "128KiB", "144KiB", "160KiB", "192KiB", "256KiB")}}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model_name", sorted(TINY_POOLS))
+@pytest.mark.parametrize("args", [POLICY_ARGS["adakv"], {"budget": 32, "scorer": "h2o", "scorer_args": {"recent": 8}}],
+                         ids=["snapkv", "h2o"])
+def test_adakv_with_kept_turns_passes_the_combination_checks(model_name, args):
+    """kvlab.testing.check_combination (~20-45 s each on two shared cores): it runs under the declared deviation
+    "reusing compressed turns", and every check holds on these prompts."""
+    got = check_combination(model=model_name, policy="adakv", policy_args=args, reuse_compressed=True,
+                            **TINY_POOLS[model_name])
+    assert got == "runs outside the contract: reusing compressed turns; held", got
