@@ -23,7 +23,7 @@ import torch
 from kvlab import LLM, SamplingParams
 from kvlab.models import LoadedModel, load_model
 from kvlab.testing import check_combination
-from kvlab.testing.builtin_args import POLICY_ARGS
+from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS
 from kvlab.testing.drafts import check_nothing_left
 from tests.engine.test_compressed_turns import held, same, spy_turn_reads
 from tests.policies.test_adakv_h2o import sharp_and_flat
@@ -195,6 +195,21 @@ def test_without_a_hit_the_output_is_that_of_reuse_off(model, scorer):
     assert llm.generate([P1 + off_first + NEW], GREEDY)[0].outputs[0].token_ids == off_second
     assert llm.engine.stats()["turn_reuse_hits"] == 0
     check_nothing_left(llm, f"adakv/{scorer}")
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self_compressed"])
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
+def test_a_draft_over_a_kept_per_head_turn_changes_nothing(model, scorer, draft):
+    """A draft (its own state; self_compressed reads the per-head tables through its view) gives, over the kept
+    turn and through the continuation's per-head compression, the tokens the same two turns give without it."""
+    def two_turns(llm):
+        out = first_turn(llm)
+        second = llm.generate([P1 + out + NEW], GREEDY)[0].outputs[0].token_ids
+        assert llm.engine.stats()["turn_reuse_hits"] == 1
+        check_nothing_left(llm, f"adakv/{scorer} {draft}")
+        return out, list(second)
+
+    assert two_turns(make(model, scorer, draft=draft, draft_args=DRAFT_ARGS[draft])) == two_turns(make(model, scorer))
 
 
 TINY_POOLS = {"random:llama-tiny": {}, "random:gemma3-tiny": {  # one KV head, 6 layer groups: 4 KiB pages
