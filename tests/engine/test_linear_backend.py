@@ -19,8 +19,8 @@ from kvlab.engine.linear_layout import layout_of
 from kvlab.engine_config import EngineOptionError, linear_backend_problem
 from kvlab.kernels.cpu import build
 from kvlab.kernels.cpu import linear as cpu_linear
-from tests.engine.test_batch_invariant import SCHEDULES, run, same_bits
-from tests.engine.test_engine_equivalence import random_prompts
+from logit_records import SCHEDULES, run, same_bits
+from hf_equivalence import random_prompts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler or no AVX-512: no kernel")]
@@ -112,7 +112,7 @@ def test_the_option_is_validated():
 
 @pytest.mark.model
 def test_smollm2_generates_what_the_torch_backend_does(fresh_model, load_reference):
-    from tests.engine.test_engine_equivalence import PROMPTS
+    from hf_equivalence import PROMPTS
 
     tok = load_reference("smollm2-135m").tokenizer
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
