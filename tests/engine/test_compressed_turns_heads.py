@@ -7,7 +7,7 @@ keeps, per head, what a reference written out over that head's tokens alone keep
 keys, query heads and totals, then AdaKV's sharing of the layer's budget, no head keeping more than it holds);
 what it keeps does not depend on the schedule (a 8-token step budget, other requests beside it); and where no
 turn is hit the output is that of reuse_compressed=False. The model is the tiny random Llama with one KV head's
-attention sharp and the other's flat (tests/policies/test_adakv_h2o.py) for H2O, one head's 4x sharper than the
+attention sharp and the other's flat (tests/head_models.py) for H2O, one head's 4x sharper than the
 other's for SnapKV and the key norms (whose scores lie below 0, as the padding of a shorter head must never
 rank), so the heads keep different counts.
 """
@@ -21,12 +21,11 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.models import LoadedModel, load_model
 from kvlab.testing import check_combination
 from kvlab.testing.builtin_args import DRAFT_ARGS, POLICY_ARGS
 from kvlab.testing.drafts import check_nothing_left
-from tests.engine.test_compressed_turns import held, same, spy_turn_reads
-from tests.policies.test_adakv_h2o import sharp_and_flat
+from head_models import sharp_and_flat, sharper
+from kept_turn_reads import held, same, spy_turn_reads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -42,17 +41,6 @@ R = random.Random(0)
 P1 = [R.randrange(3, 200) for _ in range(70)]
 NEW = [R.randrange(3, 200) for _ in range(20)]
 OTHERS = [[R.randrange(3, 200) for _ in range(k)] for k in (33, 51)]
-
-
-def sharper() -> LoadedModel:
-    """The tiny random Llama with KV head 0's query heads 4x sharper than KV head 1's (whose stay as drawn): SnapKV
-    and the key norms then give the heads different counts, each head keeping some and evicting some of its own."""
-    loaded = load_model("random:llama-tiny")
-    with torch.no_grad():
-        for layer in loaded.model.model.layers:
-            q = layer.self_attn.q_proj.weight  # [Hq * D, hidden]: KV head 0 reads query heads 0-1 (rows 0-31)
-            q[: q.shape[0] // 2] *= 4
-    return loaded
 
 
 @pytest.fixture(scope="module")
