@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -422,12 +423,13 @@ inline float* raw_at(const Args& a, int b, int hg, int j) {
 // acc [D] and l are rescaled to the new running max m'. `raw` (when not null) receives the scaled (and
 // soft-capped) scores, for the attention statistics. Returns false (and zero weights) when no key of the tile is
 // visible and none was before.
-inline bool softmax_tile(const Args& a, float* sg, int n, float* m, float* l, float* acc, int D, float* raw) {
+inline bool softmax_tile(const Args& a, float* sg, int n, float* m, float* l, float* acc, int D, float* raw,
+                         int raw_n) {
     if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2)
         for (int i = 0; i < n; ++i)
             sg[i] = sg[i] == NEG_INF ? NEG_INF : a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
     const float mt = scale_max(sg, n, a.softcap > 0.f ? 1.f : a.scale, *m);
-    if (raw) std::memcpy(raw, sg, sizeof(float) * n);
+    if (raw) std::memcpy(raw, sg, sizeof(float) * raw_n);
     if (mt == NEG_INF) {
         std::memset(sg, 0, sizeof(float) * n);
         return false;
@@ -548,7 +550,7 @@ void attend_unit_generic(const Args& a, int b, int lo, int hi, float* m, float* 
                 const int hg = h * G + g;
                 float* sg = s + size_t(hg) * TILE;
                 float* ag = acc + size_t(hg) * D;
-                if (!softmax_tile(a, sg, n, m + hg, l + hg, ag, D, raw_at(a, b, hg, j0))) continue;
+                if (!softmax_tile(a, sg, n, m + hg, l + hg, ag, D, raw_at(a, b, hg, j0), n)) continue;
                 accumulate(ag, sg, vrow, n, D);
             }
         }
@@ -800,46 +802,61 @@ inline const char* slot_at(const Side& s, int64_t page, int pos) {
 #define KVLAB_PREFETCH_AHEAD 1  // tiles ahead whose K and V slots are prefetched
 #endif
 
-void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
-    const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G;
+// One work unit over the rows rb[0..nr) of a group (the queries of one verification chunk, sharing the pages and
+// the unit's first key lo; row r's keys end at his[r]): keys [lo, max his), every KV head, each K / V row read
+// once for the nr x G query heads of its KV head. Row r's results go to m[r] [Hkv, G], l[r], acc[r] [Hkv, G, D].
+// Every (row, head) is computed as when the row runs alone: the same tiles (from lo), the same per-head dot
+// products and sums; keys of a tile past his[r] score -inf, which leaves the row's max, sum and accumulators
+// exactly as they were (exp gives 0, sums add +0, FMAs add 0 * v).
+void attend_unit_vec(const Args& a, const int* rb, int nr, int lo, const int* his, float* const* mo,
+                     float* const* lo_, float* const* acco) {
+    const int G = a.G, D = a.D, Hkv = a.Hkv, HG = Hkv * G, GG = nr * G, HGG = Hkv * GG;
     const int kreg = register_src(*a.k), vreg = register_src(*a.v);  // -1: decoded into a buffer (F32)
     const size_t tmp_len = 2 * size_t(D) + 2;
+    int hi = lo;
+    for (int r = 0; r < nr; ++r) hi = std::max(hi, his[r]);
     thread_local std::vector<float> scratch;
-    scratch.resize(size_t(HG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + 2 * size_t(HG) * TILE + D
-                   + size_t(HG) * D);
-    float* qg = scratch.data();                       // [Hkv * G, D] in K's lane order
-    float* ktmp = qg + size_t(HG) * D;                // [Hkv, tmp_len]
+    scratch.resize(size_t(HGG) * D + 2 * Hkv * tmp_len + size_t(2 * TILE) * Hkv * D + D + 2 * size_t(HGG) * TILE + D
+                   + size_t(HGG) * D + 2 * size_t(HGG) + size_t(HGG) * D);
+    float* qg = scratch.data();                       // [Hkv, nr * G, D] in K's lane order
+    float* ktmp = qg + size_t(HGG) * D;               // [Hkv, tmp_len]
     float* vtmp = ktmp + Hkv * tmp_len;               // [Hkv, tmp_len]
     float* kbuf = vtmp + Hkv * tmp_len;               // [TILE, Hkv, D] decoded K rows (KIVI kinds, residual rows)
     float* vbuf = kbuf + size_t(TILE) * Hkv * D;      // [TILE, Hkv, D]
     float* zeros = vbuf + size_t(TILE) * Hkv * D;     // [D] the row a released key (or a padding lane) reads
-    float* s = zeros + D;                             // [Hkv * G, TILE] scores, then weights
-    float* ws = s + size_t(HG) * TILE;                // [G, TILE] weights times the V rows' scales
-    float* tmp = ws + size_t(HG) * TILE;              // [D]
-    uint16_t* qb = (uint16_t*)(tmp + D);              // [Hkv * G, D] bf16 queries in channel order (VDPBF16PS)
+    float* s = zeros + D;                             // [Hkv, nr * G, TILE] scores, then weights
+    float* ws = s + size_t(HGG) * TILE;               // [nr * G, TILE] weights times the V rows' scales
+    float* tmp = ws + size_t(HGG) * TILE;             // [D]
+    uint16_t* qb = (uint16_t*)(tmp + D);              // [Hkv, nr * G, D] bf16 queries in channel order (VDPBF16PS)
+    float* m = tmp + D + size_t(HGG) * D;             // [Hkv, nr * G] running max, denominator, accumulators
+    float* l = m + HGG;
+    float* acc = l + HGG;                             // [Hkv, nr * G, D]
     for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;
     std::memset(zeros, 0, sizeof(float) * D);
     const void* rows[TILE];
     float ksc[TILE], vsc[TILE];
     int64_t pages[TILE];
     int pos_of[TILE];
-    const int t = a.tokens[b];
-    const float* q0 = a.q + t * a.q_st;
 #if defined(__AVX512BF16__)
-    const bool dp = kreg == BF16 && D % 32 == 0 && bf16_exact(q0, a.q_sh, HG, D);  // bf16 q . bf16 k exactly in pairs
+    const bool dp = kreg == BF16 && D % 32 == 0 && bf16_exact(a.q + a.tokens[rb[0]] * a.q_st, a.q_sh, HG, D);
 #else
     const bool dp = false;
-#endif
-    for (int hg = 0; hg < HG; ++hg) {
-        const float* src = q0 + int64_t(hg) * a.q_sh;
-        if (dp) for (int d = 0; d < D; ++d) { uint32_t u; std::memcpy(&u, src + d, 4); qb[size_t(hg) * D + d] = u >> 16; }
-        if (kreg == BF16) to_bf16_lanes(src, qg + size_t(hg) * D, D);
-        else std::memcpy(qg + size_t(hg) * D, src, sizeof(float) * D);
-        m[hg] = NEG_INF;
-        l[hg] = 0.f;
+#endif  // the caller groups rows only when bf16_exact agrees on all of them
+    for (int r = 0; r < nr; ++r) {
+        const float* q0 = a.q + a.tokens[rb[r]] * a.q_st;
+        for (int hg = 0; hg < HG; ++hg) {
+            const int hk = (hg / G) * GG + r * G + hg % G;
+            const float* src = q0 + int64_t(hg) * a.q_sh;
+            if (dp)
+                for (int d = 0; d < D; ++d) { uint32_t u; std::memcpy(&u, src + d, 4); qb[size_t(hk) * D + d] = u >> 16; }
+            if (kreg == BF16) to_bf16_lanes(src, qg + size_t(hk) * D, D);
+            else std::memcpy(qg + size_t(hk) * D, src, sizeof(float) * D);
+            m[hk] = NEG_INF;
+            l[hk] = 0.f;
+        }
     }
-    std::memset(acc, 0, sizeof(float) * HG * D);
-    const int32_t* table = a.tables + b * a.table_stride;
+    std::memset(acc, 0, sizeof(float) * HGG * D);
+    const int32_t* table = a.tables + rb[0] * a.table_stride;
     int col = lo / a.page, pos = lo % a.page;    // table column and slot of the next key
     int pcol = col, ppos = pos, prefetched = lo;  // and of the next key to prefetch
     auto prefetch_to = [&](int until) {
@@ -882,27 +899,32 @@ void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, f
                 }
             }
             prefetch_to(pf_base + (2 * h + 1) * TILE / (2 * Hkv));
-            float* sh = s + size_t(h * G) * TILE;
+            float* sh = s + size_t(h * GG) * TILE;
 #if defined(__AVX512BF16__)
             if (dp)  // padding lanes read `zeros` as bf16 pairs: any readable row will do (their scores are dropped)
-                score_dp(qb + size_t(h * G) * D, G, D, rows, n, sh);
+                score_dp(qb + size_t(h * GG) * D, GG, D, rows, n, sh);
             else
 #endif
-                score(ks >= 0 ? ks : F32, qg + size_t(h * G) * D, G, D, rows, n, sh);  // decoded rows: F32
+                score(ks >= 0 ? ks : F32, qg + size_t(h * GG) * D, GG, D, rows, n, sh);  // decoded rows: F32
             if (k_scaled)
-                for (int g = 0; g < G; ++g)
+                for (int g = 0; g < GG; ++g)
                     for (int i = 0; i < n; ++i) sh[g * TILE + i] *= ksc[i];
             for (int i = 0; i < n; ++i)
                 if (pages[i] < 0)  // released page: never attended to
-                    for (int g = 0; g < G; ++g) sh[g * TILE + i] = NEG_INF;
+                    for (int g = 0; g < GG; ++g) sh[g * TILE + i] = NEG_INF;
             bool any = false;
-            for (int g = 0; g < G; ++g) {
-                const int hg = h * G + g;
-                any |= softmax_tile(a, sh + g * TILE, n, m + hg, l + hg, acc + size_t(hg) * D, D, raw_at(a, b, hg, j0));
+            for (int r = 0; r < nr; ++r) {
+                const int nv = std::min(n, his[r] - j0);  // keys of the tile row r sees (its causal limit)
+                for (int g = r * G; g < (r + 1) * G; ++g) {
+                    for (int i = std::max(nv, 0); i < n; ++i) sh[g * TILE + i] = NEG_INF;
+                    const int hk = h * GG + g;
+                    float* raw = nv > 0 ? raw_at(a, rb[r], h * G + g - r * G, j0) : nullptr;
+                    any |= softmax_tile(a, sh + g * TILE, n, m + hk, l + hk, acc + size_t(hk) * D, D, raw, nv);
+                }
             }
             prefetch_to(pf_base + (2 * h + 2) * TILE / (2 * Hkv));
             if (!any) continue;
-            for (int i = 0; i < n; ++i) {  // each V row read once for the G heads
+            for (int i = 0; i < n; ++i) {  // each V row read once for the nr x G heads
                 if (pages[i] < 0) {
                     rows[i] = zeros;
                     vsc[i] = 0.f;
@@ -916,21 +938,26 @@ void attend_unit_vec(const Args& a, int b, int lo, int hi, float* m, float* l, f
             }
             const float* w = sh;
             if (v_scaled) {  // a V row's scale moves onto its weight
-                for (int g = 0; g < G; ++g)
+                for (int g = 0; g < GG; ++g)
                     for (int i = 0; i < n; ++i) ws[g * TILE + i] = sh[g * TILE + i] * vsc[i];
                 w = ws;
             }
-            accumulate_src(vs >= 0 ? vs : F32, acc + size_t(h * G) * D, G, D, w, rows, n);
+            accumulate_src(vs >= 0 ? vs : F32, acc + size_t(h * GG) * D, GG, D, w, rows, n);
         }
     }
-    if (vreg == BF16)
-        for (int hg = 0; hg < HG; ++hg) from_bf16_lanes(acc + size_t(hg) * D, D, tmp);
+    for (int hk = 0; hk < HGG; ++hk) {
+        if (vreg == BF16) from_bf16_lanes(acc + size_t(hk) * D, D, tmp);
+        const int h = hk / GG, r = hk % GG / G, hg = h * G + hk % G;
+        mo[r][hg] = m[hk];
+        lo_[r][hg] = l[hk];
+        std::memcpy(acco[r] + size_t(hg) * D, acc + size_t(hk) * D, sizeof(float) * D);
+    }
 }
 #endif  // __AVX512F__
 
 void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float* acc) {
 #if defined(__AVX512F__)
-    if (a.D == 64 || a.D == 128 || a.D == 256) return attend_unit_vec(a, b, lo, hi, m, l, acc);
+    if (a.D == 64 || a.D == 128 || a.D == 256) return attend_unit_vec(a, &b, 1, lo, &hi, &m, &l, &acc);
 #endif
     attend_unit_generic(a, b, lo, hi, m, l, acc);
 }
@@ -956,6 +983,49 @@ std::vector<int> unit_order(const std::vector<int>& row_first, const std::vector
             }
     }
     return order;
+}
+
+// Whether units u and w (consecutive in the order) run as one blocked unit (attend_unit_vec over both rows): rows
+// of one group, the same chunk and first key, the same pages, fp32 / bf16 / fp16 pools (other kinds: one row a
+// unit), the same choice of bf16 dot products. KVLAB_MQ_BLOCK=0: never (every unit one row, as before).
+template <class Lo, class Hi>
+bool blockable(const Args& a, int u, int w, const std::vector<int>& unit_row, const std::vector<int>& unit_chunk,
+               const int32_t* row_group, Lo unit_lo, Hi unit_hi) {
+    const int b = unit_row[u], c = unit_row[w];
+    if (!row_group || row_group[b] != row_group[c] || unit_chunk[u] != unit_chunk[w]) return false;
+    if (unit_lo(u) != unit_lo(w) || unit_lo(u) >= unit_hi(u) || unit_lo(w) >= unit_hi(w)) return false;
+    const int c0 = unit_lo(u) / a.page, c1 = (std::max(unit_hi(u), unit_hi(w)) - 1) / a.page + 1;
+    if (std::memcmp(a.tables + b * a.table_stride + c0, a.tables + c * a.table_stride + c0, sizeof(int32_t) * (c1 - c0)))
+        return false;
+#if defined(__AVX512BF16__)
+    if (a.k->kind == 1 && a.D % 32 == 0 &&
+        bf16_exact(a.q + a.tokens[b] * a.q_st, a.q_sh, a.Hkv * a.G, a.D) !=
+            bf16_exact(a.q + a.tokens[c] * a.q_st, a.q_sh, a.Hkv * a.G, a.D))
+        return false;
+#endif
+    return true;
+}
+
+// The order's units cut into work items: runs of blockable units, at most MAX_BLOCK rows each. Returns the items'
+// first positions in `order` (and its end).
+constexpr int MAX_BLOCK = 16;
+template <class Lo, class Hi>
+std::vector<int> work_items(const Args& a, const std::vector<int>& order, const std::vector<int>& unit_row,
+                            const std::vector<int>& unit_chunk, const int32_t* row_group, Lo unit_lo, Hi unit_hi) {
+    const char* env = std::getenv("KVLAB_MQ_BLOCK");
+    bool on = !(env && env[0] == '0' && !env[1]) && a.k->kind <= 2 && a.v->kind <= 2;
+#if defined(__AVX512F__)
+    on = on && (a.D == 64 || a.D == 128 || a.D == 256);
+#else
+    on = false;
+#endif
+    std::vector<int> first;
+    for (int i = 0; i < int(order.size()); ++i)
+        if (!on || first.empty() || i - first.back() >= MAX_BLOCK ||
+            !blockable(a, order[i - 1], order[i], unit_row, unit_chunk, row_group, unit_lo, unit_hi))
+            first.push_back(i);
+    first.push_back(int(order.size()));
+    return first;
 }
 
 }  // namespace
@@ -996,13 +1066,32 @@ int kvlab_decode_attention(
     const std::vector<int> order = unit_order(row_first, unit_chunk, row_group, B);
     std::vector<float> m(size_t(U) * HG), l(m.size()), acc(m.size() * D);
     std::vector<float> row_max(size_t(B) * HG), row_sum(row_max.size());  // each row's softmax max and denominator
+    auto unit_lo = [&](int u) { return std::max(first_key[unit_row[u]], unit_chunk[u] * chunk_keys); };
+    auto unit_hi = [&](int u) { return std::min(seq_lens[unit_row[u]], (unit_chunk[u] + 1) * chunk_keys); };
+    const std::vector<int> item_first = work_items(a, order, unit_row, unit_chunk, row_group, unit_lo, unit_hi);
+    const int W = int(item_first.size()) - 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int i = 0; i < U; ++i) {
-        const int u = order[i], b = unit_row[u];
-        const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
-        const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
-        const size_t at = size_t(u) * HG;
-        attend_unit(a, b, lo, hi, &m[at], &l[at], &acc[at * D]);
+    for (int w = 0; w < W; ++w) {
+        const int i0 = item_first[w], nr = item_first[w + 1] - i0;
+        if (nr == 1) {
+            const int u = order[i0];
+            const size_t at = size_t(u) * HG;
+            attend_unit(a, unit_row[u], unit_lo(u), unit_hi(u), &m[at], &l[at], &acc[at * D]);
+            continue;
+        }
+#if defined(__AVX512F__)
+        std::vector<int> rb(nr), his(nr);
+        std::vector<float*> mp(nr), lp(nr), ap(nr);
+        for (int r = 0; r < nr; ++r) {
+            const int u = order[i0 + r];
+            rb[r] = unit_row[u];
+            his[r] = unit_hi(u);
+            mp[r] = &m[size_t(u) * HG];
+            lp[r] = &l[size_t(u) * HG];
+            ap[r] = &acc[size_t(u) * HG * D];
+        }
+        attend_unit_vec(a, rb.data(), nr, unit_lo(order[i0]), his.data(), mp.data(), lp.data(), ap.data());
+#endif
     }
     // reduce the partials of each (row, head) in chunk order
 #pragma omp parallel for schedule(static) num_threads(num_threads)
