@@ -6,7 +6,9 @@
 // [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
 // length, never on the batch: every row reduces in the same order whatever else the step holds. The queries
 // of a short verification chunk come as rows of their own (query j: seq_len one longer than query j - 1)
-// grouped by `row_group`, so their units run chunk by chunk across the group (a key chunk in cache for the next).
+// grouped by `row_group`, so their units run chunk by chunk across the group (a key chunk in cache for the next);
+// on the vector path with fp32 / bf16 / fp16 pools the group's units of one chunk with the same first key run as
+// one blocked unit (attend_unit_vec over the rows: every K/V row read once for all their query heads).
 // The G query heads of a KV head share each decoded K/V row (GQA). With AVX-512 and head_dim 64 / 128 / 256
 // the vector path runs (attend_unit_vec): a tile's keys scored 16 at a time with one transposing reduction,
 // the G heads' value sums accumulated together, fp32 / bf16 / fp16 pools read in place (bf16 widened in

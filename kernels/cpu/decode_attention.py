@@ -6,8 +6,10 @@ softmax, the G query heads of a KV head sharing every decoded row; PagedAttentio
 Flash-Decoding's split over key ranges). A short extend chunk (q_len <= MAX_KERNEL_Q: a verification pass of
 k + 1 rows) whose tree mask, if any, hides none of its queries' causal keys runs the kernel too, as q_len decode
 rows: query j reads cache indices [first_key_j, seq_len - q_len + j] (its causal prefix, its own sliding-window
-start) through the sequence's table, the chunk's rows taking turns key chunk by key chunk so a chunk read for
-one query is in cache for the next. The engine stores the pass's K/V before attending
+start) through the sequence's table; for fp32 / bf16 / fp16 pools the chunk's rows that share a key chunk (and
+its first key) run as one blocked work unit, each K/V row read once for all their query heads, each query keeping
+its own softmax state and causal limit and getting the bits it gets decoded alone (other pools, or KVLAB_MQ_BLOCK=0:
+the rows take turns key chunk by key chunk so a chunk read for one query is in cache for the next). The engine stores the pass's K/V before attending
 (kvlab/engine/attention.py), so the drafted tokens' keys are in the pool. Longer chunks (prefill) and branching
 token trees run the reference over a plan of their own, with their rows of a tree mask. A pool the kernel cannot
 read runs the whole step on the reference. Attention statistics (`return_stats`): the kernel's for its rows (the
@@ -15,11 +17,10 @@ mass each key received, summed over the G query heads; a chunk's queries each in
 summed per sequence over its last `stats_window` queries, as the reference counts), the reference's for the
 others.
 
-MAX_KERNEL_Q = 16: the kernel reads a chunk's pages once per query (from cache for all but the first where a
-key chunk fits it) and the reference gathers them once; measured at 16 sequences x 4096 keys fp32, SmolLM2's
-heads, one thread, the kernel took 0.28 of the reference's time at q_len 5 and 0.55 at q_len 16, its time
-growing ~7 ms a query where the reference's grows ~5 (experiments/results/verify_attention_cpu.md): 16 keeps
-the chunks where the kernel is clearly the faster (verification's k + 1; prefill chunks are longer).
+MAX_KERNEL_Q = 16: measured at 16 sequences x 4096 keys fp32, SmolLM2's heads, one thread, the blocked kernel
+took 0.21 of the reference's time at q_len 5 and 0.34 at q_len 16, 2.0x / 4.4x its own q_len-1 time
+(experiments/results/verify_attention_cpu.md): 16 keeps the chunks where the kernel is clearly the faster
+(verification's k + 1; prefill chunks are longer).
 
 A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
 row alone, never on the batch. The engine's batch-invariant mode still runs kvlab.kernels.reference.

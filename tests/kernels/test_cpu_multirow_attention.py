@@ -147,3 +147,26 @@ def test_greedy_with_a_draft_equals_plain_decoding_with_verification_on_the_kern
     verified = [q for q in chains if max(q) == 5]
     assert verified and llm.stats()["spec_drafted_tokens"] > 0
     assert got == want
+
+
+@pytest.mark.parametrize("cache,q_dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float32)])
+def test_a_blocked_chunk_keeps_each_querys_limits(cache, q_dtype):
+    """The rows of a chunk sharing a key chunk run as one blocked unit (each K/V row read once for all queries):
+    query j still stops at its own causal limit (the limits here straddle a 32-key tile boundary, one ends on it)
+    and starts at its own window, and equals the same query decoded alone, to the bit; and the reference."""
+    c, q = cpu.CHUNK_KEYS, cpu.MAX_KERNEL_Q
+    window = c + 20  # first keys 5..20 (chunk 0, one row a unit), chunk 1 shared (from c): blocked
+    q_lens, seq_lens = [q, 7], [c + 48, 2 * c + 33]  # limits c + 33..c + 48 (tile c + 32 .. c + 64); 2c + 27..2c + 33
+    batch = make_paged_batch(q_lens, seq_lens, 3, 3, 64, 16, CACHE_DTYPES[cache], q_dtype, sliding_window=window,
+                             seed=5)
+    together = cpu.paged_attention(*batch.args(), window)
+    want = paged_attention_ref(*batch.args(), window)
+    torch.testing.assert_close(together.float(), want.float(), **attention_tolerance(q_dtype))
+    cu = batch.cu_seqlens_q.tolist()
+    for b, n in enumerate(q_lens):
+        for j in range(n):
+            t = cu[b] + j
+            alone = cpu.paged_attention(batch.q[t : t + 1], batch.k_cache, batch.v_cache, batch.block_tables[b : b + 1],
+                                        torch.tensor([0, 1]), torch.tensor([seq_lens[b] - n + 1 + j]), batch.scale,
+                                        window)
+            assert torch.equal(alone[0], together[t]), (b, j)
