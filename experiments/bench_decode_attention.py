@@ -11,6 +11,12 @@ count). A decode step of SmolLM2 runs this 30 times (30 layers).
     python experiments/bench_decode_attention.py                       # the full grid, 1 thread
     python experiments/bench_decode_attention.py --batch 1 --context 512 --formats fp32 --repeats 2 --out /tmp/da
     python experiments/bench_decode_attention.py --baseline 42069e7   # also the kernel of that commit, same run
+    python experiments/bench_decode_attention.py --batch 16 --context 4096 --formats fp32 --q-len 1 5 \
+        --out experiments/results/verify_attention_cpu   # a verification pass: k + 1 = 5 query rows a sequence
+
+--q-len n gives each sequence n query rows (a chain: row j sees the keys up to cache index context - n + j), the
+shape of a verification pass; the kernel runs chunks of n <= MAX_KERNEL_Q as n decode rows, the reference the rest.
+The bytes column still counts each stored byte once (the kernel reads a sequence's pages once per query row).
 
 With --baseline REV the kernel source of that git revision is built the same way (its own library in the kernel
 cache) and timed beside this one's, interleaved with it.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import statistics
 import subprocess
 import tempfile
@@ -32,7 +39,7 @@ FORMATS = ["fp32", "bf16", "bf16-q", "fp16", "int8", "fp8_e4m3", "int4"]
 DEFAULT_FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
 QUERY_BF16 = {"bf16-q": "bf16"}  # a bf16 pool read by bf16 queries (the engine's bf16 compute dtype)
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
-COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("mib", "K+V MiB read"),
+COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("q_len", "query rows a sequence"), ("mib", "K+V MiB read"),
            ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
            ("kernel_gbs", "kernel GB/s"), ("kernel_roof", "kernel / roof"), ("ref_roof", "reference / roof"),
            ("kernel_cpu_roof", "kernel / roof, CPU time"), ("ref_cpu_roof", "reference / roof, CPU time"),
@@ -128,6 +135,7 @@ def timed(fn, iters: int) -> tuple[float, float]:
 def run(args) -> tuple[list[dict], tuple[float, float]]:
     import torch
 
+    from kvlab.kernels.attention_plan import plan_paged_attention
     from kvlab.kernels.cpu import decode_attention as cpu
     from kvlab.kernels.reference import paged_attention as ref
 
@@ -139,40 +147,39 @@ def run(args) -> tuple[list[dict], tuple[float, float]]:
     baseline = baseline_kernel(args.baseline) if args.baseline else None
     current = cpu._kernel
     rows = []
-    for batch in args.batch:
-        for context in args.context:
-            for fmt in args.formats:
-                k, v, plan, nbytes = pool(QUERY_BF16.get(fmt, fmt), batch, context, args.seed)
-                q = torch.randn(batch, HQ, D).to(torch.bfloat16 if fmt in QUERY_BF16 else torch.float32)
-                run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
-                run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
-                diff = float((run_kernel().float() - run_ref().float()).abs().max())  # also warms both up (plans, memos)
-                kt, rt, bt = [], [], []
-                for _ in range(args.repeats):
-                    kt.append(timed(run_kernel, args.iters))
-                    rt.append(timed(run_ref, max(1, args.iters // 4)))
-                    if baseline is not None:
-                        cpu._kernel = lambda: baseline  # noqa: E731
-                        try:
-                            bt.append(timed(run_kernel, args.iters))
-                        finally:
-                            cpu._kernel = current
-                km, rm = (statistics.median(t[0] for t in ts) for ts in (kt, rt))
-                kc, rc = (statistics.median(t[1] for t in ts) for ts in (kt, rt))
-                rows.append({"batch": batch, "context": context, "format": fmt, "mib": nbytes / 2**20,
-                             "kernel_ms": 1e3 * km, "ref_ms": 1e3 * rm, "speedup": rm / km,
-                             "kernel_gbs": nbytes / km / 1e9, "kernel_roof": nbytes / km / 1e9 / roof,
-                             "ref_gbs": nbytes / rm / 1e9, "ref_roof": nbytes / rm / 1e9 / roof,
-                             "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
-                             "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
-                             "kernel_s": kt, "ref_s": rt})
-                if bt:
-                    bm, bc = statistics.median(t[0] for t in bt), statistics.median(t[1] for t in bt)
-                    rows[-1].update(baseline_ms=1e3 * bm, baseline_speedup=bm / km,
-                                    baseline_cpu_roof=nbytes / bc / 1e9 / roof_cpu, baseline_s=bt)
-                log(f"b{batch} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
-                    f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
-                del k, v, plan
+    for batch, context, fmt, q_len in itertools.product(args.batch, args.context, args.formats, args.q_len):
+        k, v, plan, nbytes = pool(QUERY_BF16.get(fmt, fmt), batch, context, args.seed)
+        plan = plan_paged_attention([b * q_len for b in range(batch + 1)], plan.seq_lens, plan.block_tables, BS)
+        q = torch.randn(batch * q_len, HQ, D).to(torch.bfloat16 if fmt in QUERY_BF16 else torch.float32)
+        run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+        run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+        diff = float((run_kernel().float() - run_ref().float()).abs().max())  # also warms both up (plans, memos)
+        kt, rt, bt = [], [], []
+        for _ in range(args.repeats):
+            kt.append(timed(run_kernel, args.iters))
+            rt.append(timed(run_ref, max(1, args.iters // 4)))
+            if baseline is not None:
+                cpu._kernel = lambda: baseline  # noqa: E731
+                try:
+                    bt.append(timed(run_kernel, args.iters))
+                finally:
+                    cpu._kernel = current
+        km, rm = (statistics.median(t[0] for t in ts) for ts in (kt, rt))
+        kc, rc = (statistics.median(t[1] for t in ts) for ts in (kt, rt))
+        rows.append({"batch": batch, "q_len": q_len, "context": context, "format": fmt, "mib": nbytes / 2**20,
+                     "kernel_ms": 1e3 * km, "ref_ms": 1e3 * rm, "speedup": rm / km,
+                     "kernel_gbs": nbytes / km / 1e9, "kernel_roof": nbytes / km / 1e9 / roof,
+                     "ref_gbs": nbytes / rm / 1e9, "ref_roof": nbytes / rm / 1e9 / roof,
+                     "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
+                     "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
+                     "kernel_s": kt, "ref_s": rt})
+        if bt:
+            bm, bc = statistics.median(t[0] for t in bt), statistics.median(t[1] for t in bt)
+            rows[-1].update(baseline_ms=1e3 * bm, baseline_speedup=bm / km,
+                            baseline_cpu_roof=nbytes / bc / 1e9 / roof_cpu, baseline_s=bt)
+        log(f"b{batch} q{q_len} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
+            f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
+        del k, v, plan
     return rows, (roof, roof_cpu)
 
 
@@ -210,6 +217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=[512, 3000, 8192])
     p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, choices=FORMATS,
                    help="bf16-q: a bf16 pool and bf16 queries")
+    p.add_argument("--q-len", type=int, nargs="+", default=[1], help="query rows a sequence (5: a k = 4 verification)")
     p.add_argument("--threads", type=int, default=1, help="torch and kernel threads (the machine is shared)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=8, help="kernel calls per repeat (a quarter as many reference calls)")

@@ -9,8 +9,14 @@ Each cell is one of
     refused   the capability table refuses it before the model loads (the reason in the list below)
     FAIL      a check failed: a bug, listed with its message
 
-    python experiments/composition_matrix.py --out experiments/results/composition_matrix   # ~10 min, 2 cores
+    python experiments/composition_matrix.py --out experiments/results/composition_matrix   # ~35 min, 2 cores
     python experiments/composition_matrix.py --default-mode --only draft,quant --out /tmp/matrix_default
+
+In parts (`--only`: the pairs whose two kinds are both listed), then one table of them all (a pair in two parts
+counted once, in the order of a whole run), each part's command, date and load average quoted:
+    python experiments/composition_matrix.py --only draft,quant,prefix,samples,allocator --out /tmp/parts/rest
+    python experiments/composition_matrix.py --only policy,draft --out /tmp/parts/policy_draft   # ... and so on
+    python experiments/composition_matrix.py --merge /tmp/parts/*.json --out experiments/results/composition_matrix
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import os
 import re
 import sys
 import time
+from datetime import datetime, timezone
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+ADAKV_H2O = {"budget": 32, "scorer": "h2o", "scorer_args": {"recent": 8}}  # adakv over accumulated attention
 KINDS = ("draft", "policy", "quant", "prefix", "samples", "allocator")
 MARK = {"exact": "✔", "held": "≈", "differed": "≠", "refused": "✘", "FAIL": "FAIL"}
 
@@ -38,7 +46,8 @@ def options(default_mode: bool = False) -> dict[str, dict[str, dict]]:
     load_plugins()
     return {
         "draft": {d: {"draft": d, "draft_args": a} for d, a in DRAFT_ARGS.items()},
-        "policy": {p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
+        "policy": {**{p: {"policy": p, "policy_args": a} for p, a in {**POLICY_ARGS, **SPARSE_ARGS}.items()},
+                   "adakv/h2o": {"policy": "adakv", "policy_args": ADAKV_H2O}},
         "quant": {q: {"quant": q, **({} if default_mode else {"batch_invariant": True})}
                   for q in QUANT_FORMATS.names() if q not in ("fp32", "auto")},
         "prefix": {**{i: {"enable_prefix_caching": True, "prefix_cache": i} for i in ("hash", "radix")},
@@ -80,10 +89,20 @@ def pairs(opts: dict) -> list[tuple[str, str, str, str, dict]]:
     return out
 
 
-def markdown(rows: list[dict], command: str, seconds: float, default_mode: bool = False) -> str:
+def run_line(run: dict) -> str:
+    """A run's command, pairs, minutes, date and load averages (1 / 5 / 15 min, at its start and end)."""
+    load = "".join(f", load average {' / '.join(f'{x:.2f}' for x in run[k])} at the {k[5:]}"
+                   for k in ("load_start", "load_end") if run.get(k))
+    date = f", {run['date']}" if run.get("date") else ""
+    return f"`{run['command']}` ({run['pairs']} pairs, {run['seconds'] / 60:.1f} min on 2 CPU cores{date}{load})"
+
+
+def markdown(rows: list[dict], runs: list[dict], default_mode: bool = False) -> str:
     counts = {v: sum(r["verdict"] == v for r in rows) for v in MARK}
-    lines = [f"# Composition matrix: every pair of built-in plugins across kinds (tiny random Llama)\n",
-             f"Command: `{command}` ({len(rows)} pairs, {seconds / 60:.1f} min on 2 CPU cores).\n",
+    command = (f"Command: {run_line(runs[0])}.\n" if len(runs) == 1 else
+               f"Run in {len(runs)} parts ({len(rows)} pairs), merged with `--merge`:\n\n"
+               + "\n".join(f"- {run_line(r)}" for r in runs) + "\n")
+    lines = [f"# Composition matrix: every pair of built-in plugins across kinds (tiny random Llama)\n", command,
              "Each pair runs `kvlab.testing.check_combination` (experiments/composition_matrix.py). "
              "✔ exact: greedy output with a draft equals the same cache without it, prefix hits and a schedule "
              "that preempts change nothing, nothing left behind. ≈ runs under a deviation the capability table "
@@ -125,28 +144,57 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", default=None, help="kinds to pair, comma-separated (default: all)")
     p.add_argument("--default-mode", action="store_true",
                    help="cache formats in the default mode (not batch-invariant: rounding formats then deviate)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="write one table from the .json files of runs in parts (runs nothing)")
     args = p.parse_args(argv)
     opts = options(args.default_mode)
+    order = {(t[0], t[1], t[2], t[3]): i for i, t in enumerate(pairs(opts))}
+    if args.merge:
+        rows, runs = merge([json.loads(Path(f).read_text()) for f in args.merge], order)
+    else:
+        rows, runs = run(opts, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1))
+    text = markdown(rows, runs, args.default_mode)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    failed = [r for r in rows if r["verdict"] == "FAIL"]
+    for r in failed:
+        print(f"FAIL {r['kind_a']}={r['a']} x {r['kind_b']}={r['b']}: {r['detail']}", file=sys.stderr)
+
+
+def run(opts: dict, args) -> tuple[list[dict], list[dict]]:
+    """Every pair (of the kinds in --only) -> (rows, [this run: command, pairs, seconds, date, load averages])."""
     todo = pairs(opts)
     if args.only:
         kinds = set(args.only.split(","))
         todo = [t for t in todo if {t[0], t[2]} <= kinds]
+    date, load_start = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), os.getloadavg()
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         verdicts = list(pool.map(cell, [t[4] for t in todo]))
     seconds = time.perf_counter() - t0
     rows = [{"kind_a": ka, "a": a, "kind_b": kb, "b": b, "verdict": v, "detail": d}
             for (ka, a, kb, b, _), (v, d) in zip(todo, verdicts)]
-    command = "python experiments/composition_matrix.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "seconds": seconds, "rows": rows}, indent=1))
-    text = markdown(rows, command.strip(), seconds, args.default_mode)
-    out.with_suffix(".md").write_text(text)
-    print(text)
-    failed = [r for r in rows if r["verdict"] == "FAIL"]
-    for r in failed:
-        print(f"FAIL {r['kind_a']}={r['a']} x {r['kind_b']}={r['b']}: {r['detail']}", file=sys.stderr)
+    command = ("python experiments/composition_matrix.py " + " ".join(sys.argv[1:])).strip()
+    return rows, [{"command": command, "pairs": len(rows), "seconds": seconds, "date": date,
+                   "load_start": load_start, "load_end": os.getloadavg()}]
+
+
+def merge(parts: list[dict], order: dict) -> tuple[list[dict], list[dict]]:
+    """The rows of runs in parts, each pair once, in the order of a whole run, and every part's run."""
+    rows: dict[tuple, dict] = {}
+    runs = []
+    for part in parts:
+        for r in part["rows"]:
+            rows.setdefault((r["kind_a"], r["a"], r["kind_b"], r["b"]), r)
+        runs += part.get("runs") or [{"command": part["command"], "pairs": len(part["rows"]),
+                                      "seconds": part["seconds"]}]
+    missing = [k for k in order if k not in rows]
+    if missing:
+        print(f"note: {len(missing)} pairs in no part, e.g. {missing[0]}", file=sys.stderr)
+    return sorted(rows.values(), key=lambda r: order.get((r["kind_a"], r["a"], r["kind_b"], r["b"]), len(order))), runs
 
 
 if __name__ == "__main__":

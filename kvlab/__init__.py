@@ -10,6 +10,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from kvlab import source_tree as _source_tree
+
+_source_tree.hide()  # the source tree's kernels/ and policies/ are kvlab.kernels / kvlab.policies, never top-level
+
 _LAZY = {
     "LLM": "kvlab.llm",
     "SamplingParams": "kvlab.sampling_params",

@@ -108,8 +108,8 @@ class EngineConfig:
     # (q/k/v, gate/up) into one matrix product each; none keeps the model's own modules. Off by default
     linear_layout: Literal["none", "auto"] = "none"
     # who computes the linear layers (kvlab/engine/linear_backend.py): torch (F.linear); cpu runs kvlab's CPU kernel for
-    # passes of <= 32 rows (decode: each weight read once for the batch; every pass under batch_invariant), torch for
-    # prefill. Needs device cpu; without a compiler or AVX-512 it warns once and runs torch. Off by default
+    # passes of <= 256 rows (decode, verification: each weight read once for the batch; every pass under
+    # batch_invariant), torch for longer prefill chunks. Needs device cpu; without a compiler or AVX-512 it warns once and runs torch. Off by default
     linear_backend: Literal["torch", "cpu"] = "torch"
 
     def __post_init__(self) -> None:

@@ -13,7 +13,11 @@ ranks first, and a head's totals follow the tokens it keeps.
 kvpress masks the evicted keys of each head (its docstring: this "does not reduce peak memory"); here every
 (layer, KV head) has a table of its own (`head_budgets`), so each head's evicted tokens free their pages.
 Compresses once, at the end of prefill (as the paper and kvpress do): after that the heads hold different
-numbers of tokens.
+numbers of tokens. A request continuing a kept compressed turn (EngineConfig.reuse_compressed) compresses again
+at its prompt's end, over heads of different lengths (each its kept tokens, then the tokens computed since):
+`select_heads` scores each head over its own tokens only (the scorer called per head, with that head's query
+heads and totals) and shares the layer's budget over the heads as at prefill, a head never keeping more than
+it holds (`ragged_adaptive_top_k`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,29 @@ class AdaKV(Policy):
     def choose(self, scores, keep):
         return adaptive_top_k(scores, keep, self.alpha_safeguard)
 
+    def select_heads(self, layer_idx: int, num_layers: int, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     queries: torch.Tensor | None, attn_stats: list[torch.Tensor] | None,
+                     protected: int = 0) -> list[list[int]] | None:
+        """One layer whose KV heads hold different numbers of tokens (keys[h], values[h]: [L_h, 1, D]; attn_stats[h]:
+        [L_h, 1]; queries: [W, Hq, D], the layer's): per KV head the sorted cache indices kept, or None (all). Each
+        head is scored over its own tokens (the scorer sees that head alone, with its query heads), and the layer
+        keeps `layer_budget` x Hkv tokens as `adaptive_top_k` shares them; the first `protected` of every head kept."""
+        heads = len(keys)
+        lens = [k.shape[0] - protected for k in keys]
+        keep = self.layer_budget(layer_idx, num_layers, max(self._seq_len or 0, max(lens) + protected) - protected)
+        if keep * heads >= sum(lens):
+            return None
+        scores = []
+        for h in range(heads):
+            q = None if queries is None else queries.unflatten(1, (heads, -1))[:, h]  # [W, Hq / Hkv, D]
+            stats = None if attn_stats is None else attn_stats[h]
+            s = self._inner.score(layer_idx, keys[h], values[h], q, stats)  # [L_h, 1]
+            if s is None:
+                return None
+            scores.append(s[protected:, 0])
+        kept = ragged_adaptive_top_k(scores, keep, self.alpha_safeguard)
+        return [list(range(protected)) + [protected + i for i in head] for head in kept]
+
 
 def adaptive_top_k(scores: torch.Tensor, keep: int, alpha: float) -> list[list[int]]:
     """Per KV head, the sorted cache indices kept when the heads share `keep * Hkv` slots: every head's best
@@ -90,3 +117,23 @@ def adaptive_top_k(scores: torch.Tensor, keep: int, alpha: float) -> list[list[i
     mask = torch.zeros(heads * n, dtype=torch.bool)
     mask[chosen] = True
     return [row.nonzero()[:, 0].tolist() for row in mask.view(heads, n)]
+
+
+def ragged_adaptive_top_k(scores: list[torch.Tensor], keep: int, alpha: float) -> list[list[int]]:
+    """`adaptive_top_k` over heads of different lengths (scores[h]: [L_h]): every head's best
+    min(L_h, max(1, int(keep * alpha))) first, then the best remaining scores over all heads up to `keep * Hkv`
+    (the caller keeps everything when the heads hold no more). Padding is masked: never ranked, never kept."""
+    heads, n = len(scores), max(s.shape[0] for s in scores)
+    valid = torch.zeros(heads, n, dtype=torch.bool)
+    padded = torch.full((heads, n), -torch.inf)
+    for h, s in enumerate(scores):
+        valid[h, : s.shape[0]] = True  # a real score is never -inf here: below it only the padding
+        padded[h, : s.shape[0]] = s.float().nan_to_num(neginf=torch.finfo(torch.float32).min)
+    safe = max(1, int(keep * alpha))
+    for h, s in enumerate(scores):
+        padded[h, padded[h, : s.shape[0]].topk(min(safe, s.shape[0])).indices] = torch.inf
+    chosen = padded.flatten().topk(keep * heads).indices  # [keep * Hkv] over (head, token), padding last
+    mask = torch.zeros(heads * n, dtype=torch.bool)
+    mask[chosen] = True
+    mask = mask.view(heads, n) & valid
+    return [row.nonzero()[:, 0].tolist() for row in mask]

@@ -301,16 +301,20 @@ class Compressor:
     def _compress_heads(self, seq: Sequence, layer: int, groups: list[int], queries: dict[int, torch.Tensor],
                         mass: dict[int, torch.Tensor]) -> None:
         """One layer whose KV heads have tables of their own (groups[h] holds head h). With accumulated attention
-        the policy reads the heads' totals side by side ([L, Hkv]), and each head's total follows its kept keys."""
+        the policy reads the heads' totals side by side ([L, Hkv]), and each head's total follows its kept keys.
+        Heads holding different numbers of tokens (a request continuing a kept turn, compressed again at its
+        prompt's end) go to the policy's `select_heads`, one head's tokens (and totals) apart from another's."""
         parts = [self.gather(seq, g, layer) for g in groups]  # per head ([L_h, 1, D], [L_h, 1, D])
-        if len({k.shape[0] for k, _ in parts}) != 1:
-            raise RuntimeError(f"layer {layer}: KV heads hold different numbers of tokens "
-                               f"({[k.shape[0] for k, _ in parts]}); per-head budgets compress once, at prefill")
-        keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)  # [L, Hkv, D]
         protected = min(self.bm.protected_slots(seq, g) for g in groups)
-        stats = torch.cat([mass[g] for g in groups], dim=1) if all(g in mass for g in groups) else None  # [L, Hkv]
-        keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), stats,
-                                  **_protect(protected))
+        if len({k.shape[0] for k, _ in parts}) != 1:  # a continuation of a kept turn: each head its own tokens
+            keep = self.policy.select_heads(layer, self.num_layers, [k for k, _ in parts], [v for _, v in parts],
+                                            queries.get(layer), [mass[g] for g in groups]
+                                            if all(g in mass for g in groups) else None, **_protect(protected))
+        else:
+            keys, values = torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+            stats = torch.cat([mass[g] for g in groups], dim=1) if all(g in mass for g in groups) else None
+            keep = self.policy.select(layer, self.num_layers, keys, values, queries.get(layer), stats,  # [L, Hkv]
+                                      **_protect(protected))
         if keep is None:
             return
         per_head = keep if keep and isinstance(keep[0], list) else [keep] * len(groups)

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import kvlab  # noqa: F401  first: it keeps the source tree's kernels/ from passing for Hugging Face's `kernels`
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one torch thread each

@@ -24,7 +24,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-maybe-uninitialized")
-ABI_VERSION = 3  # kvlab_abi_version() of decode_attention.cpp
+ABI_VERSION = 4  # kvlab_abi_version() of decode_attention.cpp
 LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
 LINEAR_ABI_VERSION = 2  # kvlab_linear_abi_version() of linear.cpp
 

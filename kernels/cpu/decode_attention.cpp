@@ -1,10 +1,12 @@
-// Paged decode attention on the CPU: one query per sequence, K/V read straight from the paged pool
+// Paged decode attention on the CPU: one query per row, K/V read straight from the paged pool
 // through the block table, each cached byte read once, online softmax (FlashAttention, arXiv:2205.14135;
 // Flash-Decoding's split over key ranges, then a reduction of the partials).
 //
 // Work unit: (row b, key chunk c), every KV head. Chunk c covers the absolute cache indices
 // [c * chunk_keys, (c + 1) * chunk_keys) of the row, so how a row is split depends only on its own
-// length, never on the batch: every row reduces in the same order whatever else the step holds.
+// length, never on the batch: every row reduces in the same order whatever else the step holds. The queries
+// of a short verification chunk come as rows of their own (query j: seq_len one longer than query j - 1)
+// grouped by `row_group`, so their units run chunk by chunk across the group (a key chunk in cache for the next).
 // The G query heads of a KV head share each decoded K/V row (GQA). With AVX-512 and head_dim 64 / 128 / 256
 // the vector path runs (attend_unit_vec): a tile's keys scored 16 at a time with one transposing reduction,
 // the G heads' value sums accumulated together, fp32 / bf16 / fp16 pools read in place (bf16 widened in
@@ -933,6 +935,29 @@ void attend_unit(const Args& a, int b, int lo, int hi, float* m, float* l, float
     attend_unit_generic(a, b, lo, hi, m, l, acc);
 }
 
+// The order units run in: row by row, except that the rows of a group (consecutive equal row_group entries)
+// take turns chunk by chunk, chunk c of every row of the group before chunk c + 1 of any.
+std::vector<int> unit_order(const std::vector<int>& row_first, const std::vector<int>& unit_chunk,
+                            const int32_t* row_group, int B) {
+    std::vector<int> order;
+    order.reserve(row_first[B]);
+    for (int r0 = 0, r1; r0 < B; r0 = r1) {
+        for (r1 = r0 + 1; row_group && r1 < B && row_group[r1] == row_group[r0]; ++r1) {}
+        int lo = 1 << 30, hi = -1;  // the group's chunk range
+        for (int r = r0; r < r1; ++r) {
+            if (row_first[r + 1] == row_first[r]) continue;
+            lo = std::min(lo, unit_chunk[row_first[r]]);
+            hi = std::max(hi, unit_chunk[row_first[r + 1] - 1]);
+        }
+        for (int c = lo; c <= hi; ++c)
+            for (int r = r0; r < r1; ++r) {
+                const int n = row_first[r + 1] - row_first[r], at = n ? c - unit_chunk[row_first[r]] : -1;
+                if (at >= 0 && at < n) order.push_back(row_first[r] + at);
+            }
+    }
+    return order;
+}
+
 }  // namespace
 
 extern "C" {
@@ -940,6 +965,10 @@ extern "C" {
 // Returns 0 on success. `stats` (null: none): the attention statistics of each decode row, the mass every key
 // j in [first_key, seq_len) received summed over the G query heads of KV head h, written at
 // stats[stats_off[b] + h * stats_h + j] (the caller zeroes the rest).
+// `row_group` (null: every row its own): consecutive rows with the same value read the same pages (the queries
+// of one verification chunk); their units run chunk by chunk across the group, so a key chunk read from memory
+// for one row is in cache for the next. Only the execution order changes: each unit's result, where it is
+// stored and the order a row's partials are reduced in stay the row's own.
 int kvlab_decode_attention(
     const float* q, int64_t q_st, int64_t q_sh,
     float* out, int64_t o_st, int64_t o_sh,
@@ -947,7 +976,7 @@ int kvlab_decode_attention(
     const int32_t* tables, int64_t table_stride,
     const int32_t* tokens, const int32_t* seq_lens, const int32_t* first_key,
     int B, int Hkv, int G, int D, int page, float scale, float softcap, int chunk_keys, int num_threads,
-    float* stats, int64_t stats_h, const int64_t* stats_off) {
+    float* stats, int64_t stats_h, const int64_t* stats_off, const int32_t* row_group) {
     if (chunk_keys < 1 || D < 1 || G < 1) return 1;
     const int HG = Hkv * G;
     std::vector<int64_t> raw_off(B + 1, 0);  // scaled scores of every row (statistics only)
@@ -964,11 +993,12 @@ int kvlab_decode_attention(
         row_first[b + 1] = int(unit_row.size());
     }
     const int U = int(unit_row.size());
+    const std::vector<int> order = unit_order(row_first, unit_chunk, row_group, B);
     std::vector<float> m(size_t(U) * HG), l(m.size()), acc(m.size() * D);
     std::vector<float> row_max(size_t(B) * HG), row_sum(row_max.size());  // each row's softmax max and denominator
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int u = 0; u < U; ++u) {
-        const int b = unit_row[u];
+    for (int i = 0; i < U; ++i) {
+        const int u = order[i], b = unit_row[u];
         const int lo = std::max(first_key[b], unit_chunk[u] * chunk_keys);
         const int hi = std::min(seq_lens[b], (unit_chunk[u] + 1) * chunk_keys);
         const size_t at = size_t(u) * HG;
@@ -1017,6 +1047,6 @@ int kvlab_decode_attention(
     return 0;
 }
 
-int kvlab_abi_version() { return 3; }
+int kvlab_abi_version() { return 4; }
 
 }  // extern "C"

@@ -3,11 +3,23 @@
 Same signatures as kvlab.kernels.reference.paged_attention. Decode rows (one query each) run the C++
 kernel, which reads K/V straight from the pool through the block table (each cached byte once, online
 softmax, the G query heads of a KV head sharing every decoded row; PagedAttention arXiv:2309.06180,
-Flash-Decoding's split over key ranges). Extend rows (prefill chunks, verification, token trees) run the
-reference over a plan of their own, with their rows of a tree mask; a decode row runs the kernel unless a tree
-mask hides one of its keys (then it joins them). A pool the kernel cannot read runs the whole step on the
-reference. Attention statistics (`return_stats`): the kernel's for its rows (the mass each key received,
-summed over the G query heads), the reference's for the others.
+Flash-Decoding's split over key ranges). A short extend chunk (q_len <= MAX_KERNEL_Q: a verification pass of
+k + 1 rows) whose tree mask, if any, hides none of its queries' causal keys runs the kernel too, as q_len decode
+rows: query j reads cache indices [first_key_j, seq_len - q_len + j] (its causal prefix, its own sliding-window
+start) through the sequence's table, the chunk's rows taking turns key chunk by key chunk so a chunk read for
+one query is in cache for the next. The engine stores the pass's K/V before attending
+(kvlab/engine/attention.py), so the drafted tokens' keys are in the pool. Longer chunks (prefill) and branching
+token trees run the reference over a plan of their own, with their rows of a tree mask. A pool the kernel cannot
+read runs the whole step on the reference. Attention statistics (`return_stats`): the kernel's for its rows (the
+mass each key received, summed over the G query heads; a chunk's queries each into a row of their own, then
+summed per sequence over its last `stats_window` queries, as the reference counts), the reference's for the
+others.
+
+MAX_KERNEL_Q = 16: the kernel reads a chunk's pages once per query (from cache for all but the first where a
+key chunk fits it) and the reference gathers them once; measured at 16 sequences x 4096 keys fp32, SmolLM2's
+heads, one thread, the kernel took 0.28 of the reference's time at q_len 5 and 0.55 at q_len 16, its time
+growing ~7 ms a query where the reference's grows ~5 (experiments/results/verify_attention_cpu.md): 16 keeps
+the chunks where the kernel is clearly the faster (verification's k + 1; prefill chunks are longer).
 
 A row's keys are split at fixed cache indices (every CHUNK_KEYS), so its reduction order depends on the
 row alone, never on the batch. The engine's batch-invariant mode still runs kvlab.kernels.reference.
@@ -32,6 +44,7 @@ from kvlab.kernels.cpu.build import load_library
 from kvlab.kernels.reference import paged_attention as _ref
 
 CHUNK_KEYS = 256  # keys per work unit (Flash-Decoding split), fixed so a row's reduction order is its own
+MAX_KERNEL_Q = 16  # extend chunks of at most this many queries (verification) run the kernel, one row per query
 POOL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # Side.fp8: the encoding the kernel widens in registers
@@ -65,7 +78,7 @@ def _kernel():
     fn = lib.kvlab_decode_attention
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, i64, i64, ctypes.POINTER(_Side), ctypes.POINTER(_Side), p, i64, p, p, p,
-                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32, p, i64, p]
+                   i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, i32, i32, p, i64, p, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -82,17 +95,24 @@ def _fp8_lut(dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class _DecodeRows:
-    """The plan's decode rows as the kernel reads them, and its extend rows as a plan of their own."""
+    """The plan's kernel rows (decode rows, and the rows of short extend chunks) as the kernel reads them, and
+    the other extend rows as a plan of their own."""
 
-    tokens: torch.Tensor  # [n] int32 packed query token of each decode row
-    rows: torch.Tensor  # [n] int64 the plan's row (sequence) of each decode row
-    seq_lens: torch.Tensor  # [n] int32
+    tokens: torch.Tensor  # [n] int32 packed query token of each kernel row
+    rows: torch.Tensor  # [n] int64 the plan's row (sequence) of each kernel row
+    seq_lens: torch.Tensor  # [n] int32 keys [first_key, seq_len) the row sees: its own causal prefix
     first_key: torch.Tensor  # [n] int32 first visible cache index (sliding window)
     tables: torch.Tensor  # [n, width] int32 (-1: released / padding)
-    all_decode: bool
+    from_end: torch.Tensor | None  # [n] int64 q_len - j for query j (1: the last); None: one row per sequence
+    group: torch.Tensor  # [n] int32 the plan's row again (the kernel runs a sequence's rows chunk by chunk)
+    all_decode: bool  # every token is a kernel row
     extend_plan: AttentionPlan | None
     extend_tokens: torch.Tensor | None  # [m] int64 packed tokens of the extend rows
     extend_rows: torch.Tensor | None  # [e] int64 the plan's rows they are
+
+    @property
+    def one_per_sequence(self) -> bool:
+        return self.from_end is None
 
 
 def _decode_rows(plan: AttentionPlan) -> _DecodeRows:
@@ -100,25 +120,39 @@ def _decode_rows(plan: AttentionPlan) -> _DecodeRows:
 
 
 def _unrestricted(plan: AttentionPlan, b: int) -> bool:
-    """Whether decode row b sees every key up to its own: no tree mask, or its mask row hides none of its columns
-    (a decode row's mask covers the keys from its tree start, by default itself alone)."""
+    """Whether every query of sequence b sees every key up to its own: no tree mask, or each of its mask rows
+    shows all its columns up to the query's own (a chain; column j is cache index tree_start + j)."""
     if plan.tree_mask is None:
         return True
-    start = plan.tree_starts[b] if plan.tree_starts is not None else plan.seq_lens[b] - 1
-    return bool(plan.tree_mask[plan.cu_seqlens_q[b], : plan.seq_lens[b] - start].all())
+    n, lens = plan.q_lens[b], plan.seq_lens[b]
+    start = plan.tree_starts[b] if plan.tree_starts is not None else lens - n
+    rows = plan.tree_mask[plan.cu_seqlens_q[b] : plan.cu_seqlens_q[b + 1], : lens - start]  # [n, lens - start]
+    own = torch.arange(lens - start, device=rows.device)[None, :] <= torch.arange(lens - start - n, lens - start,
+                                                                                  device=rows.device)[:, None]
+    return bool(rows[own].all())
+
+
+def kernel_sequences(plan: AttentionPlan) -> list[int]:
+    """The plan's rows the kernel runs: q_len in [1, MAX_KERNEL_Q], every query seeing its whole causal prefix."""
+    return [b for b, n in enumerate(plan.q_lens) if 1 <= n <= MAX_KERNEL_Q and _unrestricted(plan, b)]
 
 
 def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
     q_lens, cu, lens, w = plan.q_lens, plan.cu_seqlens_q, plan.seq_lens, plan.sliding_window
-    decode = [b for b, n in enumerate(q_lens) if n == 1 and _unrestricted(plan, b)]
-    kernel_rows = set(decode)
-    extend = [b for b in range(len(q_lens)) if b not in kernel_rows]  # extend rows, and decode rows a tree masks
+    kernel = kernel_sequences(plan)
+    chosen = set(kernel)
+    extend = [b for b in range(len(q_lens)) if b not in chosen]  # long chunks, and rows a tree masks
+    seq = [b for b in kernel for _ in range(q_lens[b])]  # query j of b: keys up to cache index lens - n + j
+    local = [j for b in kernel for j in range(q_lens[b])]
+    own_lens = [lens[b] - q_lens[b] + 1 + j for b, j in zip(seq, local)]
     tables = plan.block_tables
     if isinstance(tables, torch.Tensor):
-        tables = tables.to(device="cpu", dtype=torch.int32).reshape(plan.batch_size, -1)[decode]
+        tables = tables.to(device="cpu", dtype=torch.int32).reshape(plan.batch_size, -1)[kernel]
     else:
-        width = max((len(tables[b]) for b in decode), default=0)
-        tables = torch.tensor([list(tables[b]) + [-1] * (width - len(tables[b])) for b in decode], dtype=torch.int32)
+        width = max((len(tables[b]) for b in kernel), default=0)
+        tables = torch.tensor([list(tables[b]) + [-1] * (width - len(tables[b])) for b in kernel], dtype=torch.int32)
+    if len(seq) > len(kernel):  # a sequence's queries share its table row
+        tables = tables.repeat_interleave(torch.tensor([q_lens[b] for b in kernel]), dim=0)
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     extend_plan = extend_tokens = None
     if extend:
@@ -133,11 +167,13 @@ def _build_decode_rows(plan: AttentionPlan) -> _DecodeRows:
         extend_plan = plan_paged_attention(ext_cu, [lens[b] for b in extend], ext_tables, plan.block_size, w,
                                            plan.device, tree_mask=tree, tree_starts=starts, null_block=plan.null_block)
     return _DecodeRows(
-        tokens=as_i32([cu[b] for b in decode]),
-        rows=torch.tensor(decode, dtype=torch.int64),
-        seq_lens=as_i32([lens[b] for b in decode]),
-        first_key=as_i32([0 if w is None else max(0, lens[b] - w) for b in decode]),
+        tokens=as_i32([cu[b] + j for b, j in zip(seq, local)]),
+        rows=torch.tensor(seq, dtype=torch.int64),
+        group=torch.tensor(seq, dtype=torch.int32),
+        seq_lens=as_i32(own_lens),
+        first_key=as_i32([0 if w is None else max(0, n - w) for n in own_lens]),
         tables=tables.contiguous(),
+        from_end=None if len(seq) == len(kernel) else torch.tensor([q_lens[b] - j for b, j in zip(seq, local)]),
         all_decode=not extend,
         extend_plan=extend_plan,
         extend_tokens=extend_tokens,
@@ -249,36 +285,41 @@ def run_paged_attention(
         q, k_cache, v_cache, plan, scale, softcap, k_scale, v_scale,
         return_stats=return_stats, stats_window=stats_window, out=out, stats_out=stats_out)
     kernel = _kernel() if enabled() else None
-    if kernel is None or q.device.type != "cpu" or 1 not in plan.q_lens:
+    if kernel is None or q.device.type != "cpu" or min(plan.q_lens, default=0) > MAX_KERNEL_Q:
         return reference()
     k_side, v_side = _side(k_cache, k_scale), _side(v_cache, v_scale)
     if k_side is None or v_side is None:
         return reference()
     _check_inputs(q, k_cache, plan, out)
     rows = _decode_rows(plan)
-    if not rows.tokens.shape[0]:  # every decode row under a tree mask that hides some of its keys
+    if not rows.tokens.shape[0]:  # no short chain: long chunks, or rows a tree mask restricts
         return reference()
     out = q.new_empty(q.shape) if out is None else out
     direct = out.dtype == torch.float32
     target = out if direct else torch.empty(q.shape, dtype=torch.float32)  # [T, Hq, D]
     q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float().contiguous()
     _, bs, hkv, d = k_cache.shape
-    stats = stats_ptr = stats_off = None
-    if return_stats:  # decode rows' statistics from the kernel, the others' from the reference (below)
+    stats = per_row = stats_ptr = stats_off = None
+    if return_stats:  # kernel rows' statistics from the kernel, the others' from the reference (below)
         stats = torch.zeros(plan.batch_size, hkv, max(plan.seq_lens, default=0)) if stats_out is None \
             else stats_out.zero_()
         if stats_window is None or stats_window >= 1:  # a window of 0 counts no query: zeros
-            stats_off = rows.rows * stats.stride(0)
-            stats_ptr = stats.data_ptr()
+            if rows.one_per_sequence:  # each row writes its sequence's statistics in place
+                stats_off, stats_ptr = rows.rows * stats.stride(0), stats.data_ptr()
+            else:  # each query's own, summed per sequence below
+                per_row = torch.zeros(rows.tokens.shape[0], hkv, stats.shape[2])  # [n, Hkv, L]
+                stats_off, stats_ptr = torch.arange(per_row.shape[0]) * per_row.stride(0), per_row.data_ptr()
     status = kernel(
         q32.data_ptr(), q32.stride(0), q32.stride(1), target.data_ptr(), target.stride(0), target.stride(1),
         k_side[0], v_side[0], rows.tables.data_ptr(), rows.tables.stride(0),
         rows.tokens.data_ptr(), rows.seq_lens.data_ptr(), rows.first_key.data_ptr(),
         rows.tokens.shape[0], hkv, q.shape[1] // hkv, d, bs, float(scale), float(softcap or 0.0), CHUNK_KEYS,
-        torch.get_num_threads(), stats_ptr, 0 if stats is None else stats.stride(1),
-        None if stats_off is None else stats_off.data_ptr())
+        torch.get_num_threads(), stats_ptr, 0 if stats is None else (stats if per_row is None else per_row).stride(1),
+        None if stats_off is None else stats_off.data_ptr(), None if rows.one_per_sequence else rows.group.data_ptr())
     if status:
         raise RuntimeError(f"kvlab_decode_attention failed with status {status}")
+    if per_row is not None:
+        _sum_row_stats(stats, per_row, rows, stats_window)
     if not direct:
         if rows.all_decode:
             out.copy_(target)
@@ -295,6 +336,13 @@ def run_paged_attention(
             ext = attention_stats_from_plan(q_ext, k_cache, rows.extend_plan, scale, softcap, k_scale, stats_window)
             stats[rows.extend_rows, :, : ext.shape[2]] = ext
     return (out, stats) if return_stats else out
+
+
+def _sum_row_stats(stats: torch.Tensor, per_row: torch.Tensor, rows: _DecodeRows, window: int | None) -> None:
+    """stats[b] = the sum over b's last `window` kernel rows (all: None) of their statistics, in query order
+    (what the reference counts: kvlab.kernels.reference.attention_stats)."""
+    counted = torch.ones_like(rows.from_end, dtype=torch.bool) if window is None else rows.from_end <= window
+    stats.index_add_(0, rows.rows[counted], per_row[counted])
 
 
 def paged_attention(

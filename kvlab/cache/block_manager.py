@@ -427,7 +427,7 @@ class BlockManager:
         for g, _, node in entries:
             tier = self.places.tier_of[node.offloaded[g]]
             pages[tier] = pages.get(tier, 0) + 1
-        if self.places.placement.restore_pays(pages, hit.tokens - first * self.block_size):
+        if self.places.placement.restore_pays(pages, hit.tokens - first * self.block_size, first * self.block_size):
             return hit, entries
         k = first
         while k and not all(self._has_pages(g, nodes[:k], k * self.block_size) for g in range(len(self.groups))):

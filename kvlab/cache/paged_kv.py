@@ -115,9 +115,12 @@ class PagedKV:
         unobserved warm-up (the null page, written back as it is: no pool content changes), and tell the
         placement (`observe_demote`, `observe_restore`): the cost model's start-up rates. A restore is timed
         as a request pays it: the reads ahead started, waited for (the worker's round trip), and copied in;
-        written-behind pages are flushed first, so the reads come from the files."""
+        written-behind pages are flushed first, so the reads come from the files; where the placement asks for
+        cold reads (`cold_calibration`: its pages come back long after they went down), a tier that can drop its
+        files from the OS page cache (`drop_cached`) does so before they are read."""
         null = self.cache.page_tensors()[0].shape[0] - 1
         placement = self.places.placement
+        cold = bool(getattr(placement, "cold_calibration", False))
         for t, tier in enumerate(self.tiers):
             for i, n in enumerate([sizes[0], *[n for _ in range(repeats) for n in sizes]]):
                 keys = [("calibrate", j) for j in range(n)]
@@ -128,6 +131,8 @@ class PagedKV:
                     tier.put(key, lambda row: self.rows.gather([null], row))
                 demoted = time.perf_counter() - started
                 tier.flush()
+                if cold and hasattr(tier, "drop_cached"):  # read back from the device, as pages written long ago
+                    tier.drop_cached(keys)
                 started = time.perf_counter()
                 for key in keys:
                     tier.start_read(key)

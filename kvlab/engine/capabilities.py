@@ -134,14 +134,6 @@ REFUSED: list[Refusal] = [
             lambda c: c.reuses_compressed_turns and not c.allocator_shares_cached,
             lambda c: f"reuse_compressed with allocator {c.allocator!r} is not supported: a kept turn's pages are "
                       f"shared copy-on-write, which only allocator='paged' does"),
-    Refusal("reusing compressed turns with per-head budgets",
-            "a kept turn's KV heads hold different numbers of tokens, which the continuation's compression cannot "
-            "rank side by side",
-            lambda c: c.reuses_compressed_turns and c.compacts and c.head_budgets,
-            lambda c: f"reuse_compressed with policy {c.policy!r} is not supported yet: its KV heads keep different "
-                      f"numbers of tokens (per-head budgets), and a request continuing a kept turn compresses it again "
-                      f"at its prompt's end, ranking the heads' tokens side by side, which needs them of one length; "
-                      f"use a policy whose heads keep as many (snapkv, h2o, ...) or reuse_compressed=False"),
 ]
 
 

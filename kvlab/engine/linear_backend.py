@@ -2,9 +2,11 @@
 
 A decode step at small batch reads every weight once and does little else with it; on this machine torch's
 fp32 matrix-vector product (MKL) streams about a third of what memory delivers. With `cpu`, a pass of at
-most MAX_ROWS rows (a decode step, a short verification) runs kvlab.kernels.cpu.linear instead: the weight
+most MAX_ROWS rows (a decode step, a verification pass of batch x (k + 1) rows, a short prefill chunk) runs
+kvlab.kernels.cpu.linear instead: the weight
 packed once into 64-row k-major blocks (one stream each, prefetched ahead), each weight vector met once
-by every row of the batch, bf16 multiplied pairwise with VDPBF16PS. Larger passes (prefill) stay on torch.
+by every row of the batch (in tiles of 6 rows, each tile summing in the same order), bf16 multiplied pairwise
+with VDPBF16PS. Larger passes (long prefill chunks) stay on torch.
 The packed copy is held beside the original weight (prefill, the tied embedding and anything that reads
 the module's weight keep the original): the backend costs one more copy of the linear weights in memory.
 With `torch` (the default) the model's modules are untouched.
@@ -32,7 +34,10 @@ from kvlab.engine.linear_layout import FusedPart, LinearLayout, apply_linear_lay
 from kvlab.kernels.cpu import linear as cpu_linear
 
 LinearBackend = Literal["torch", "cpu"]
-MAX_ROWS = 32  # passes of at most this many rows run the kernel (decode); larger ones torch (prefill)
+MAX_ROWS = 256  # passes of at most this many rows run the kernel (decode, verification); larger ones torch (prefill)
+# 256 = batch 32 x (k + 1 = 8). On SmolLM2's fp32 shapes (1 thread, load ~6) the kernel took 0.37-0.5 of
+# F.linear's time at 32-256 rows (experiments/results/linear_verification_rows_smollm2.md); longer prefill chunks
+# stay on torch so as not to move prefill's rounding further than verification needs.
 
 
 class SmallBatchProduct:

@@ -93,8 +93,8 @@ def test_calibration_rounds_stop_at_the_minimum_once_the_budget_is_spent():
         while p.compute_sizes():
             for n in p.compute_sizes():
                 p.observe_calibration(n, seconds)
-    assert len(slow.calibration) == 2 * 2  # 1.6 s spent after two rounds: no more
-    assert len(fast.calibration) == 2 * 5  # cheap forwards: up to the most rounds
+    assert len(slow.calibration) == 2 * 3  # 2.4 s spent after two rounds (of three sizes): no more
+    assert len(fast.calibration) == 5 * 3  # cheap forwards: up to the most rounds
     assert placement(measured=False).compute_sizes() == ()
 
 
@@ -131,3 +131,53 @@ def test_the_start_up_calibration_leaves_the_engine_as_it_was():
     assert (got.request_id, got.outputs[0].token_ids) == (want.request_id, want.outputs[0].token_ids)
     llm.close()
     ref.close()
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_cold_calibration_reads_its_restores_from_the_device(monkeypatch, cold):
+    """`cold_calibration`: the start-up restores read files dropped from the page cache first (histories written
+    long ago), every timed run; without it they read what the writes left in memory."""
+    dropped = []
+    real = DiskTier.drop_cached
+    monkeypatch.setattr(DiskTier, "drop_cached", lambda self, keys=None: dropped.append(len(keys)) or real(self, keys))
+    llm = LLM("random:llama-tiny", block_size=4, kv_cache_memory=24 * 1024, enable_prefix_caching=True,
+              offload="disk", offload_placement="cost_aware", offload_placement_args={"cold_calibration": cold})
+    p = llm.engine.kv.places.placement
+    assert dropped == ([1, 1, 8, 1, 8, 1, 8] if cold else [])  # the warm-up run, then 3 x (1, 8) pages
+    assert len(p.samples[0]) == 6  # the timed runs observed either way
+    llm.close()
+
+
+# a prefill of n tokens: 2 ms + 50 us a token + 1 us a token squared (attention); a disk restore 1 ms + 1 ms a
+# page of 16 tokens: per token it costs more than the linear part of recomputing, so only the quadratic part
+# makes restoring pay, above a history of ~38 tokens
+CURVED = cm.Rates(per_token_s=5e-5, restore={0: (1e-3, 1e-3)}, demote={0: 0.0}, per_token2_s=1e-6)
+
+
+def test_a_superlinear_prefill_makes_long_histories_worth_restoring():
+    assert cm.recompute_seconds(CURVED, 16) == pytest.approx(16 * 5e-5 + 256e-6)
+    assert cm.recompute_seconds(CURVED, 16, start=64) == pytest.approx(16 * 5e-5 + (80 ** 2 - 64 ** 2) * 1e-6)
+    cross = cm.crossover_tokens(CURVED, 0, block_size=16)
+    assert 35 < cross < 42
+    assert cm.restore_seconds(CURVED, {0: 2}) == pytest.approx(3e-3)
+    assert not cm.restore_pays(CURVED, {0: 2}, 32)  # 3 ms against 2.6 ms of recompute
+    assert cm.restore_pays(CURVED, {0: 4}, 64)  # 5 ms against 7.3 ms
+    assert cm.restore_pays(CURVED, {0: 2}, 32, start=64)  # the same two pages behind 64 kept tokens: 8.3 ms
+    line = cm.Rates(per_token_s=5e-5, restore={0: (1e-3, 1e-3)}, demote={0: 0.0})
+    assert cm.crossover_tokens(line, 0, block_size=16) == float("inf")  # linear: restoring never pays
+
+
+def test_the_prefill_curve_is_the_fastest_forward_of_each_of_three_sizes():
+    p = placement()
+    assert p.compute_sizes() == (16, 128, 512)
+    for slow in ((1, 3, 1), (4, 1, 1), (1, 1, 2)):  # a loaded machine slows some forwards down
+        for k, n in zip(slow, (16, 128, 512)):
+            p.observe_calibration(n, k * (2e-3 + n * 5e-5 + n * n * 1e-6))
+    per_token, per_token2 = p.compute_curve()
+    assert (per_token, per_token2) == (pytest.approx(5e-5), pytest.approx(1e-6))
+    assert p.rates().per_token2_s == pytest.approx(1e-6)
+    assert p.recompute_seconds(64, start=64) == pytest.approx(64 * 5e-5 + (128 ** 2 - 64 ** 2) * 1e-6)
+    straight = placement()
+    for n in (16, 128, 512):
+        straight.observe_calibration(n, 2e-3 + n * 5e-5)  # no bend: the straight line, no quadratic part
+    assert straight.compute_curve() == (pytest.approx(5e-5), 0.0)

@@ -13,44 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import LLM, SamplingParams
+from kvlab import LLM
 from kvlab.cache.tiers.placement.cost_aware import CostAwarePlacement, fit
 from kvlab.sequence import SequenceStatus
 from kvlab.testing.tiers import manual_tier
 
+from returning_turn import ENGINE, FILLERS, FIRST, OTHER, PARAMS, reference, returning_turn, tokens
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-ENGINE = dict(block_size=4, max_model_len=128, kv_cache_memory=24 * 1024, max_num_batched_tokens=32,
-              enable_prefix_caching=True)
-PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-FIRST = tokens(20, 0)  # conversation A's first turn
-FILLERS = [tokens(30, s) for s in (1, 2)]  # push A's pages out of the pool (12 pages of 4 tokens), down to the tier
-OTHER = tokens(12, 9)  # an unrelated request arriving with A's return
-
-
-def returning_turn(llm) -> list[int]:
-    """A's first turn, then fillers (A's pages go down a tier); A's second prompt."""
-    answer = llm.generate([FIRST], PARAMS)[0].token_ids
-    for f in FILLERS:
-        llm.generate([f], PARAMS)
-    return FIRST + answer + tokens(7, 5)
-
-
-_ref: list = []
-
-
-def reference() -> list[list[int]]:
-    if not _ref:
-        llm = LLM("random:llama-tiny", **ENGINE)
-        second = returning_turn(llm)
-        _ref.append([o.token_ids for o in llm.generate([second, OTHER], PARAMS)])
-    return _ref[0]
 
 
 def run_to_end(engine) -> dict:
@@ -220,3 +190,21 @@ def test_cost_aware_in_the_engine_chooses_recompute_or_restore(latency, restores
     assert (stats["tier_restored"] > 0) == restores and (stats["tier_recomputed"] > 0) == (not restores)
     assert stats["tier_prefetched"] == (stats["tier_restored"] if restores else 0)  # nothing read to be recomputed
     llm.close()
+
+
+def test_restore_or_recompute_is_asked_with_the_tokens_the_hit_keeps_before_its_tier_blocks(monkeypatch):
+    """The quadratic part of recomputing depends on where the blocks sit: `restore_pays` hears how many tokens
+    of the hit stay before its first tier block (`start`), here a partly evicted history (resident head)."""
+    calls = []
+    real = CostAwarePlacement.restore_pays
+    monkeypatch.setattr(CostAwarePlacement, "restore_pays", lambda self, pages, tokens, start=0:
+                        calls.append((pages, tokens, start)) or real(self, pages, tokens, start))
+    llm = LLM("random:llama-tiny", offload="disk", offload_placement="cost_aware",
+              offload_placement_args={"measured": False, "disk_latency_s": 0.0}, **ENGINE)
+    answer = llm.generate([FIRST], PARAMS)[0].token_ids
+    llm.generate([FILLERS[0]], PARAMS)  # one filler: only part of A's history goes down
+    llm.generate([FIRST + answer + tokens(7, 5)], PARAMS)
+    assert llm.stats()["tier_restored"] > 0
+    llm.close()
+    assert calls and all(start % ENGINE["block_size"] == 0 for _, _, start in calls)
+    assert any(start > 0 for _, _, start in calls), calls  # the resident head counted, not recomputed as if at 0

@@ -105,7 +105,7 @@ def test_writes_in_flight_are_bounded(tmp_path, gate):
 
 
 def test_a_failed_write_is_recomputed_with_a_warning(monkeypatch):
-    from tests.cache.test_tier_reads import ENGINE, OTHER, PARAMS, reference, returning_turn
+    from returning_turn import ENGINE, OTHER, PARAMS, reference, returning_turn
 
     want = reference()
 
@@ -123,3 +123,45 @@ def test_a_failed_write_is_recomputed_with_a_warning(monkeypatch):
     assert got == want
     assert llm.stats()["tier_failed_reads"] > 0
     llm.close()
+
+
+def test_a_restored_page_file_is_removed_behind_not_on_the_step(tmp_path, gate):
+    """A synced file's removal frees its blocks (milliseconds a page on this disk): a restore hands it to the
+    writer worker, so the step's thread does not wait for it; it is gone once the worker has run."""
+    tier = DiskTier(4, ROW, str(tmp_path / "t"))
+    tier.put("a", lambda r: r.copy_(row(1)))
+    tier.put("b", lambda r: r.copy_(row(2)))
+    gate.set()
+    tier.flush()
+    gate.clear()
+    tier.put("c", lambda r: r.copy_(row(3)))  # holds the worker: anything queued behind it waits
+    assert gate.entered.wait(10)
+    got = torch.empty((1, ROW), dtype=torch.uint8)
+    tier.load("a", got.copy_)  # read now, inside the caller
+    tier.drop("b")
+    assert torch.equal(got, row(1)) and sorted(tier.files) == ["c"]
+    assert len(list(tier.folder.glob("*.page"))) == 2  # a's and b's files still there: removed behind
+    gate.set()
+    tier.flush()
+    tier.writer.shutdown(wait=True)
+    assert len(list(tier.folder.glob("*.page"))) == 1  # only c's
+    tier.close()
+
+
+def test_drop_cached_syncs_the_files_and_forgets_reads_taken(tmp_path):
+    """`drop_cached` (cold reads: a history written long ago): every write lands, the files are synced and dropped
+    from the page cache, a read ahead already taken is forgotten (read again from the file), bytes unchanged."""
+    tier = DiskTier(4, ROW, str(tmp_path / "t"))
+    for i, key in enumerate("ab"):
+        tier.put(key, lambda r, i=i: r.copy_(row(i)))
+    assert tier.drop_cached() == 2 and not tier.writing  # every write landed first
+    tier.start_read("a")
+    while not tier.ready("a"):
+        tier.wait()
+        tier.poll()
+    assert tier.drop_cached(["a", "zz"]) == 1 and not tier.ready("a")  # the read taken is forgotten
+    for i, key in enumerate("ab"):
+        got = torch.empty((1, ROW), dtype=torch.uint8)
+        tier.load(key, got.copy_)
+        assert torch.equal(got, row(i))
+    tier.close()

@@ -15,7 +15,6 @@ from kvlab.engine.capabilities import REFUSED, deviations_markdown, refused_mark
 MISSING = "does-not-exist"  # a model that cannot load: an error about the combination came first
 
 SNAP = dict(policy="snapkv", policy_args={"compression_ratio": 0.5})
-ADAKV = dict(policy="adakv", policy_args={"compression_ratio": 0.5, "scorer": "h2o"})
 # refusal name -> (engine options, a neighbour that the table lets through)
 CASES = {
     "offloading without prefix caching": (dict(offload="host"), dict(offload="host", enable_prefix_caching=True)),
@@ -31,7 +30,6 @@ CASES = {
                                                                dict(reuse_compressed=True, **SNAP)),
     "reusing compressed turns with a non-paged allocator": (dict(reuse_compressed=True, allocator="contiguous", **SNAP),
                                                             dict(allocator="contiguous", **SNAP)),
-    "reusing compressed turns with per-head budgets": (dict(reuse_compressed=True, **ADAKV), dict(**ADAKV)),
 }
 UNREACHABLE = {  # no built-in plugin has the combination: the predicate is checked directly below, and
     "sparse reading with accumulated attention statistics",

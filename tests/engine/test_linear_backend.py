@@ -19,8 +19,8 @@ from kvlab.engine.linear_layout import layout_of
 from kvlab.engine_config import EngineOptionError, linear_backend_problem
 from kvlab.kernels.cpu import build
 from kvlab.kernels.cpu import linear as cpu_linear
-from tests.engine.test_batch_invariant import SCHEDULES, run, same_bits
-from tests.engine.test_engine_equivalence import random_prompts
+from logit_records import SCHEDULES, run, same_bits
+from hf_equivalence import random_prompts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler or no AVX-512: no kernel")]
@@ -48,7 +48,7 @@ def test_the_engine_generates_what_the_torch_backend_does(fresh_model, monkeypat
     rows = count_kernel_rows(monkeypatch)
     got = generate(fresh_model, name, dtype, linear_layout=layout, linear_backend="cpu")
     assert got == want
-    assert rows and max(rows) <= lb.MAX_ROWS  # decode passes ran the kernel, prefill (48 rows) did not
+    assert rows and max(rows) == 48 <= lb.MAX_ROWS  # decode passes and the 48-row prefill chunks ran the kernel
 
 
 def test_the_model_is_restored_and_reused_models_follow_each_engine(fresh_model):
@@ -77,9 +77,12 @@ def test_a_wrapped_layer_matches_f_linear_below_and_above_max_rows():
 
 @pytest.mark.parametrize("quant", ["int4"])
 def test_batch_invariance_holds_on_the_kernel(quant, monkeypatch):
+    import kvlab.engine.build as engine_build
+
+    monkeypatch.setattr(engine_build, "MAX_ROWS", 32)  # a bound below this test's prefill chunks (192 rows)
     rows = count_kernel_rows(monkeypatch)
     tokens, base = run({}, quant=quant, batch_invariant=True, linear_backend="cpu")
-    assert rows and max(rows) > lb.MAX_ROWS  # prefill ran on the kernel too
+    assert rows and max(rows) > engine_build.MAX_ROWS  # prefill ran on the kernel too (no row bound in this mode)
     for name in SCHEDULES:  # solo, chunked, the ngram and layerskip drafts
         other_tokens, other = run(copy.deepcopy(SCHEDULES[name]), quant=quant, batch_invariant=True,
                                   linear_backend="cpu")
@@ -112,7 +115,7 @@ def test_the_option_is_validated():
 
 @pytest.mark.model
 def test_smollm2_generates_what_the_torch_backend_does(fresh_model, load_reference):
-    from tests.engine.test_engine_equivalence import PROMPTS
+    from hf_equivalence import PROMPTS
 
     tok = load_reference("smollm2-135m").tokenizer
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]

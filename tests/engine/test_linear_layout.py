@@ -13,8 +13,8 @@ import torch
 
 from kvlab import LLM, SamplingParams
 from kvlab.engine.linear_layout import FusedPart, apply_linear_layout, layout_of
-from tests.engine.test_batch_invariant import SCHEDULES, run, same_bits
-from tests.engine.test_engine_equivalence import check, random_prompts
+from logit_records import SCHEDULES, run, same_bits
+from hf_equivalence import check, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = ["random:llama-tiny", "random:gemma3-tiny"]
@@ -82,7 +82,7 @@ def test_batch_invariance_holds_with_fused_layers(quant):
 
 @pytest.mark.model
 def test_smollm2_with_fused_layers_matches_hf(fresh_model, load_reference):
-    from tests.engine.test_engine_equivalence import PROMPTS
+    from hf_equivalence import PROMPTS
 
     tok = load_reference("smollm2-135m").tokenizer
     check(fresh_model, load_reference, "smollm2-135m", [tok(p)["input_ids"] for p in PROMPTS], 16, block_size=16,

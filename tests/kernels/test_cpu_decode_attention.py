@@ -62,9 +62,11 @@ def test_decode_matches_reference(case):
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_mixed_step_runs_decode_rows_in_the_kernel_and_extend_rows_on_the_reference(window, monkeypatch):
-    """Decode rows beside prefill / verification chunks: every token's output equals the reference's."""
-    bs = 4
-    q_lens, seq_lens = [1, bs + 1, 1, 3], [2 * bs + 1, 2 * bs + 1, 3 * bs, bs + 3]
+    """Decode rows beside a prefill chunk (longer than MAX_KERNEL_Q: the reference) and a short verification
+    chunk (the kernel, one row per query: tests/kernels/test_cpu_multirow_attention.py): every token's output
+    equals the reference's."""
+    bs, long = 4, cpu.MAX_KERNEL_Q + 1
+    q_lens, seq_lens = [1, long, 1, 3], [2 * bs + 1, long + bs, 3 * bs, bs + 3]
     batch = make_paged_batch(q_lens, seq_lens, 2, 3, 64, bs, torch.bfloat16, sliding_window=window)
     want = paged_attention_ref(*batch.args(), window, None, return_stats=True)
     calls = []
@@ -73,7 +75,7 @@ def test_mixed_step_runs_decode_rows_in_the_kernel_and_extend_rows_on_the_refere
                         reference(q, *a, **k))
     got = cpu.paged_attention(*batch.args(), window, None, out=torch.full_like(batch.q, float("nan")),
                               return_stats=True)
-    assert calls == [bs + 1 + 3]  # the reference saw the extend rows' tokens only
+    assert calls == [long]  # the reference saw the long chunk's tokens only
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **attention_tolerance(torch.float32))
 

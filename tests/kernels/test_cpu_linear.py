@@ -70,6 +70,21 @@ def test_a_row_is_the_same_bits_in_a_batch_of_1_or_16(kind, n, k):
     assert torch.equal(cpu.linear(padded, w, bias)[:16], alone)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp32 x, bf16 W"])
+def test_a_row_is_the_same_bits_in_a_pass_of_1_33_80_or_130_rows(kind):
+    """Past 32 rows (a verification pass: batch x (k + 1) rows; a short prefill chunk): every row tile of the
+    kernel sums in the same order, so a row's bits do not depend on the pass's row count or its place in it."""
+    x_dtype, w_dtype = DTYPES[kind]
+    x, w, bias = data(1536, 576, 130, x_dtype, w_dtype, bias=True, seed=1)
+    packed = cpu.pack(w)
+    full = cpu.linear(x, w, bias, packed)  # [130, N]
+    for i in (0, 31, 32, 79, 129):
+        assert torch.equal(cpu.linear(x[i : i + 1], w, bias, packed), full[i : i + 1]), i
+    for lo, hi in ((0, 33), (40, 73), (0, 80), (50, 130)):
+        assert torch.equal(cpu.linear(x[lo:hi], w, bias, packed), full[lo:hi]), (lo, hi)
+    torch.testing.assert_close(full.double(), F.linear(x.double(), w.double(), bias.double()), **tolerance(x_dtype))
+
+
 def test_the_result_does_not_depend_on_the_thread_count():
     x, w, _ = data(3072, 576, 16, torch.float32, torch.float32)
     threads = torch.get_num_threads()

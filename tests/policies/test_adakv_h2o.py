@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.models import LoadedModel, load_model
+from kvlab.models import LoadedModel
 from kvlab.testing import check_combination, check_policy
+from head_models import sharp_and_flat
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -30,20 +31,6 @@ COMBO = {"budget": 32, "scorer": "h2o", "scorer_args": {"recent": 8}}  # what th
 
 def prompt(n: int, seed: int = 5) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def sharp_and_flat() -> LoadedModel:
-    """The tiny random Llama with KV head 0's query heads made sharp (queries x 30) and KV head 1's flat (queries
-    0: uniform causal attention). A random model's accumulated attention is ruled by position alike in every
-    head (a key is seen by every later query), so AdaKV would share the budget almost evenly; here the heads'
-    masses differ enough that they keep different numbers of tokens."""
-    loaded = load_model("random:llama-tiny")
-    with torch.no_grad():
-        for layer in loaded.model.model.layers:
-            q = layer.self_attn.q_proj.weight  # [Hq * D, hidden]: KV head 0 reads query heads 0-1 (rows 0-31)
-            q[: q.shape[0] // 2] *= 30
-            q[q.shape[0] // 2 :] = 0
-    return loaded
 
 
 def reference_mass(loaded: LoadedModel, ids: list[int]) -> dict[int, torch.Tensor]:

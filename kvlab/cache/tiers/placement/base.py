@@ -14,8 +14,8 @@ pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are nu
     hit(key)                       a request took it back into the pool (frequency policies count these)
     prefetch(key, tier) -> bool    a request was just added whose prefix hits `key` in a slow tier: read it now,
                                    before the request is scheduled? (default: yes)
-    restore_pays(pages, tokens) -> bool   a hit would restore `pages` ({tier: count}) to skip computing
-                                   `tokens` tokens: restore (True, default) or recompute them
+    restore_pays(pages, tokens, start) -> bool   a hit would restore `pages` ({tier: count}) to skip computing
+                                   `tokens` tokens behind `start` kept ones: restore (True, default) or recompute
     observe_compute(tokens, s)     a step computed `tokens` tokens in `s` seconds (the engine's observed rate)
     observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds (the reads' wall time included)
     observe_demote(tier, n, s)     `n` pages went down to `tier` in `s` seconds (what the step paid: a row copy,
@@ -81,8 +81,9 @@ class Placement(ABC):
         scheduler first looks at the request)?"""
         return self.prefetch_ahead
 
-    def restore_pays(self, pages: dict[int, int], tokens: int) -> bool:
-        """Restore `pages` ({tier: pages}) rather than recompute the `tokens` tokens they hold?"""
+    def restore_pays(self, pages: dict[int, int], tokens: int, start: int = 0) -> bool:
+        """Restore `pages` ({tier: pages}) rather than recompute the `tokens` tokens they hold, behind the `start`
+        tokens of the hit before them?"""
         return True
 
     def observe_compute(self, tokens: int, seconds: float) -> None:

@@ -7,14 +7,16 @@ is, it is dropped. And when a hit would take pages back from the tiers (`restore
 that costs less than recomputing the tokens they hold (a restore's fixed latency, the reads ahead waited for
 included, makes the crossover), else the hit stops before them and they are recomputed.
 
-With `measured` (the default) the rates are the engine's own: the recompute rate is the slope of the line
-through the fastest forward of each size (noise on a shared machine only ever adds time) of the engine's start-up
-calibration (`compute_sizes`: rounds of forwards
-of `block_size` and max(8 x `block_size`, 64) tokens timed before any request, at least `calibration_repeats`, more
-while within `calibration_budget_s`), or without one a Theil-Sen line through its recent steps, so a step's fixed
-cost does not count and one slow step does not swing it; each tier's latency and
-per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, then every real
-restore: the copy and the wall time of its reads ahead), its demotion cost the median of the last ones. The
+With `measured` (the default) the rates are the engine's own: the recompute cost is the curve through the
+fastest forward of each size (noise on a shared machine only ever adds time) of the engine's start-up
+calibration (`compute_sizes`: rounds of forwards of `block_size`, max(8 x `block_size`, 64) and
+max(32 x `block_size`, 256) tokens timed before any request, at least `calibration_repeats`, more while within
+`calibration_budget_s`): a parabola where it bends upward (a prefill's attention part grows with the square of
+its length), else a straight line; without a calibration a Theil-Sen line through its recent steps, so a step's
+fixed cost does not count and one slow step does not swing it; each tier's latency and
+per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, cold reads with
+`cold_calibration`, then every real restore: the copy and the wall time of its reads ahead), its demotion cost
+the median of the last ones. The
 parameters below are the priors used until there are samples. A full tier's victim is its least recently
 inserted page, spilled to the next tier only if that tier passes the same test. In the spirit of LMCache's and
 Mooncake's store-vs-recompute trade-off (Cheng et al. 2024, arXiv:2409.13761; Qin et al. 2024, arXiv:2407.00079).
@@ -50,6 +52,8 @@ class CostAwarePlacement(LRUPlacement):
     calibration_repeats: int = 3  # start-up rounds of forwards timed at least (0 with calibration_rounds=0: none)
     calibration_rounds: int = 30  # ... at most, while within calibration_budget_s
     calibration_budget_s: float = 0.1  # seconds of start-up forwards beyond the first calibration_repeats rounds
+    cold_calibration: bool = False  # the start-up restores read cold files (synced, dropped from the OS page
+    # cache: PagedKV.calibrate): pages that come back long after they went down
     samples: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of (pages, seconds)
     demotes: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of seconds per page
     compute: deque = field(default_factory=lambda: deque(maxlen=32), init=False, repr=False)  # (tokens, seconds)
@@ -90,6 +94,16 @@ class CostAwarePlacement(LRUPlacement):
         obs = self.demotes.get(tier)
         return median(list(obs)) if self.measured and obs else 0.0
 
+    def compute_curve(self) -> tuple[float, float]:
+        """(seconds per token, per token squared) of a prefill: the parabola through the fastest calibration
+        forward of each of three sizes where it bends upward (the attention's part), else the straight line's
+        slope (`tokens_per_s`) and no quadratic part."""
+        if "curve" not in self._cache:
+            curve = cost_model.floor_curve(self.calibration) if self.measured else None
+            self._cache["curve"] = (max(curve[1], MIN_PER_TOKEN_S), curve[2]) if curve is not None else \
+                (1 / self.tokens_per_s(), 0.0)
+        return self._cache["curve"]
+
     def tokens_per_s(self) -> float:
         """The marginal recompute rate: the slope of the line through the fastest calibration forward of each
         size (a shared machine's noise only ever adds time), else of the observed steps' Theil-Sen line (the prior
@@ -102,14 +116,15 @@ class CostAwarePlacement(LRUPlacement):
 
     def rates(self) -> Rates:
         """The cost model's inputs now (kvlab.cache.tiers.placement.cost_model)."""
-        return Rates(1 / self.tokens_per_s(), {t: self.restore_line(t) for t in range(len(self.kinds))},
-                     {t: self.demote_seconds(t) for t in range(len(self.kinds))})
+        per_token, per_token2 = self.compute_curve()
+        return Rates(per_token, {t: self.restore_line(t) for t in range(len(self.kinds))},
+                     {t: self.demote_seconds(t) for t in range(len(self.kinds))}, per_token2)
 
     def restore_seconds(self, tier: int, pages: int = 1) -> float:
         return cost_model.restore_seconds(self.rates(), {tier: pages})
 
-    def recompute_seconds(self, tokens: int | None = None) -> float:
-        return cost_model.recompute_seconds(self.rates(), self.block_size if tokens is None else tokens)
+    def recompute_seconds(self, tokens: int | None = None, start: int = 0) -> float:
+        return cost_model.recompute_seconds(self.rates(), self.block_size if tokens is None else tokens, start)
 
     def worth(self, tier: int) -> bool:
         return cost_model.worth(self.rates(), tier, self.block_size, self.margin)
@@ -125,31 +140,34 @@ class CostAwarePlacement(LRUPlacement):
     def spill(self, key: Key, tier: int) -> int | None:
         return next((t for t in range(tier + 1, len(self.kinds)) if self.worth(t)), None)
 
-    def restore_pays(self, pages: dict[int, int], tokens: int) -> bool:
-        return cost_model.restore_pays(self.rates(), pages, tokens, self.margin)
+    def restore_pays(self, pages: dict[int, int], tokens: int, start: int = 0) -> bool:
+        return cost_model.restore_pays(self.rates(), pages, tokens, self.margin, start)
 
     # -- what the engine tells it ----------------------------------------------------
     def compute_sizes(self) -> tuple[int, ...]:
-        """The next calibration round: a short and a long forward, while fewer than `calibration_repeats` rounds
+        """The next calibration round: a short, a middle and a long forward (three sizes: the prefill's quadratic
+        part is seen; the engine cuts one beyond its step budget or pool), while fewer than `calibration_repeats` rounds
         were timed, or fewer than `calibration_rounds` within `calibration_budget_s` (cheap models get more
         rounds: their millisecond forwards are noisy)."""
-        rounds = len(self.calibration) // 2
+        rounds = len(self.calibration) // 3
         spent = sum(s for _, s in self.calibration)
         if not self.measured or rounds >= self.calibration_rounds or (
                 rounds >= self.calibration_repeats and spent >= self.calibration_budget_s):
             return ()
-        return self.block_size, max(8 * self.block_size, 64)
+        return self.block_size, max(8 * self.block_size, 64), max(32 * self.block_size, 256)
 
     def observe_calibration(self, tokens: int, seconds: float) -> None:
         """A start-up forward of `tokens` tokens took `seconds` (kept: the steady part of the compute fit)."""
         if tokens > 0 and seconds > 0:
             self.calibration.append((tokens, seconds))
             self._cache.pop("compute", None)
+            self._cache.pop("curve", None)
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.compute.append((tokens, seconds))
             self._cache.pop("compute", None)
+            self._cache.pop("curve", None)
 
     def observe_restore(self, tier: int, pages: int, seconds: float) -> None:
         self.samples.setdefault(tier, deque(maxlen=32)).append((pages, seconds))

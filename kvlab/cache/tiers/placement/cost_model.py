@@ -1,6 +1,9 @@
 """Restore or recompute, as a pure function of measured rates and page counts. Torch-free.
 
-    recompute(tokens)     = tokens * per_token_s          the marginal cost: the step runs anyway, for the new message
+    recompute(tokens, start) = tokens * per_token_s + per_token2_s * ((start + tokens)^2 - start^2)
+                            the marginal cost of tokens [start, start + tokens) behind `start` cached ones: the
+                            step runs anyway, for the new message; a prefill of n tokens costs
+                            fixed + per_token_s * n + per_token2_s * n^2 (attention: token i reads i keys)
     restore({tier: n})    = sum over tiers of latency_s[tier] + n * per_page_s[tier]
     keep a page in tier   = (per_page_s[tier] + demote_s[tier]) * margin <= recompute(block_size)
 
@@ -13,7 +16,8 @@ file write when it does not) plus its restore, against recomputing its tokens. `
 length above which restoring wins.
 
 Rates are fitted robustly: the recompute rate through the fastest start-up calibration forward of each size
-(`floor_line`: repeated identical forwards, where a shared machine's noise only adds time), else through the
+(`floor_curve` through three sizes, so the attention's quadratic part is seen, `floor_line` through two:
+repeated identical forwards, where a shared machine's noise only adds time), else through the
 engine's observed (tokens, seconds) steps by `theil_sen` (the median of the pairwise slopes, so one step slowed
 down by a neighbour does not swing the rate; the intercept the median of the residuals, floored at 0), as are
 the (pages, seconds) restores.
@@ -34,10 +38,12 @@ class Rates:
     per_token_s: float
     restore: dict = field(default_factory=dict)  # tier -> (latency_s, per_page_s)
     demote: dict = field(default_factory=dict)  # tier -> seconds per page the step pays to demote
+    per_token2_s: float = 0.0  # the quadratic part of a prefill: seconds per token squared
 
 
-def recompute_seconds(rates: Rates, tokens: int) -> float:
-    return tokens * rates.per_token_s
+def recompute_seconds(rates: Rates, tokens: int, start: int = 0) -> float:
+    """Seconds to compute `tokens` tokens behind `start` cached ones (the marginal cost in a step that runs)."""
+    return tokens * rates.per_token_s + rates.per_token2_s * ((start + tokens) ** 2 - start ** 2)
 
 
 def restore_seconds(rates: Rates, pages: dict[int, int]) -> float:
@@ -45,9 +51,9 @@ def restore_seconds(rates: Rates, pages: dict[int, int]) -> float:
     return sum(rates.restore[t][0] + n * rates.restore[t][1] for t, n in pages.items() if n)
 
 
-def restore_pays(rates: Rates, pages: dict[int, int], tokens: int, margin: float = 1.0) -> bool:
-    """Restore `pages` rather than recompute the `tokens` they hold?"""
-    return restore_seconds(rates, pages) * margin <= recompute_seconds(rates, tokens)
+def restore_pays(rates: Rates, pages: dict[int, int], tokens: int, margin: float = 1.0, start: int = 0) -> bool:
+    """Restore `pages` rather than recompute the `tokens` they hold (behind `start` tokens the hit keeps)?"""
+    return restore_seconds(rates, pages) * margin <= recompute_seconds(rates, tokens, start)
 
 
 def worth(rates: Rates, tier: int, block_size: int, margin: float = 1.0) -> bool:
@@ -58,10 +64,13 @@ def worth(rates: Rates, tier: int, block_size: int, margin: float = 1.0) -> bool
 
 
 def crossover_tokens(rates: Rates, tier: int, block_size: int, margin: float = 1.0) -> float:
-    """History length (tokens) above which restoring it from `tier` beats recomputing it (inf: never)."""
+    """History length (tokens) above which restoring it from `tier` beats recomputing it (inf: never): the root of
+    per_token2_s * h^2 + (per_token_s - margin * per_page / block_size) * h = margin * latency."""
     latency, per_page = rates.restore[tier]
-    per_token = rates.per_token_s - margin * per_page / block_size
-    return margin * latency / per_token if per_token > 0 else float("inf")
+    a, b, c = rates.per_token2_s, rates.per_token_s - margin * per_page / block_size, margin * latency
+    if a > 0:
+        return (-b + (b * b + 4 * a * c) ** 0.5) / (2 * a)
+    return c / b if b > 0 else float("inf")
 
 
 def median(values: list[float]) -> float:
@@ -93,6 +102,24 @@ def floor_line(points) -> tuple[float, float] | None:
     y_lo, y_hi = min(y for x, y in points if x == lo), min(y for x, y in points if x == hi)
     slope = max((y_hi - y_lo) / (hi - lo), 0.0)
     return max(y_lo - slope * lo, 0.0), slope
+
+
+def floor_curve(points) -> tuple[float, float, float] | None:
+    """(fixed >= 0, per token >= 0, per token squared > 0) of the parabola through the fastest y at the smallest,
+    a middle and the largest x (repeated identical work: the minimum is the steady estimate); None unless three
+    x differ and the curve bends upward (else the straight `floor_line` holds)."""
+    points = list(points)
+    xs = sorted({x for x, _ in points})
+    if len(xs) < 3:
+        return None
+    x1, x2, x3 = xs[0], xs[len(xs) // 2], xs[-1]
+    y1, y2, y3 = (min(y for x, y in points if x == k) for k in (x1, x2, x3))
+    s12, s23 = (y2 - y1) / (x2 - x1), (y3 - y2) / (x3 - x2)
+    a = (s23 - s12) / (x3 - x1)
+    if a <= 0:
+        return None
+    b = max(s12 - a * (x1 + x2), 0.0)
+    return max(y1 - b * x1 - a * x1 * x1, 0.0), b, a
 
 
 def fit(points) -> tuple[float, float] | None:
