@@ -154,9 +154,11 @@ def test_smollm2_bf16_cache_matches_hf_with_bf16_keys_and_values(fresh_model, lo
     """kvlab with quant=bf16 (fp32 compute, K/V stored as bf16) against HF fp32 whose attention rounds K/V to bf16.
 
     bf16 keeps 8 mantissa bits (relative rounding <= 2**-9 per element). The HF reference applies that same
-    rounding, so what is left is fp32 summation order flipping a rounding now and then: measured next-token
-    KL(kvlab || HF-bf16-KV) ~1e-5, against ~1e-4 between the bf16 cache and plain fp32. The bound 3e-5 sits
-    between the two, and the control checks that it does see bf16 rounding.
+    rounding, so what is left is fp32 summation order flipping a rounding now and then. Measured max next-token
+    KL(kvlab || HF-bf16-KV): 1.6e-5 with the torch reference attention, 4.0e-5 with the native CPU kernel (which
+    also runs these short prompts' prefill chunks since they take <= 16 queries: its own summation order and
+    exp polynomial), against 1.1e-4 / 1.5e-4 between the bf16 cache and plain fp32. The bound 6e-5 sits between
+    the two, and the control checks that it does see bf16 rounding.
     """
     ref, hf_bf16, llm = _bf16_setup(fresh_model, load_reference)
     tok = ref.tokenizer
@@ -168,8 +170,8 @@ def test_smollm2_bf16_cache_matches_hf_with_bf16_keys_and_values(fresh_model, lo
     with torch.no_grad():
         want = {name: torch.log_softmax(m(ids).logits[0, len(ctx_ids) - 1:-1].double(), -1)
                 for name, m in (("bf16_kv", hf_bf16), ("fp32", ref.model))}
-    assert _kl_max(got, want["bf16_kv"]) < 3e-5
-    assert _kl_max(got, want["fp32"]) > 3e-5
+    assert _kl_max(got, want["bf16_kv"]) < 6e-5
+    assert _kl_max(got, want["fp32"]) > 6e-5
 
 
 @pytest.mark.heavy
