@@ -6,6 +6,7 @@ Each case starts `python -c` in the repository's root, which puts the root on sy
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,24 +16,28 @@ import pytest
 
 import kvlab
 
-pytestmark = pytest.mark.process
 ROOT = Path(kvlab.__file__).resolve().parent.parent
-SOURCE_CHECKOUT = (ROOT / "kernels" / "__init__.py").exists() and (ROOT / "pyproject.toml").exists()
+pytestmark = [pytest.mark.process, pytest.mark.skipif(
+    not (ROOT / "kernels" / "__init__.py").exists(),
+    reason="kvlab is installed from a wheel: no source tree to shadow anything")]
+
+
+@pytest.fixture
+def installed(tmp_path) -> str:
+    """A folder holding an installed-looking `kernels` package (as Hugging Face's, in site-packages)."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
+    return str(tmp_path)
 
 
 def run(code: str, env_path: str | None = None) -> str:
-    env = None
-    if env_path is not None:
-        import os
-
-        env = {**os.environ, "PYTHONPATH": env_path}
+    env = None if env_path is None else {**os.environ, "PYTHONPATH": env_path}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
-@pytest.mark.skipif(not SOURCE_CHECKOUT, reason="kvlab is installed from a wheel: no source tree to shadow anything")
 def test_bare_names_are_not_the_source_folders():
     out = run("""
         import importlib.util, sys
@@ -48,23 +53,17 @@ def test_bare_names_are_not_the_source_folders():
     assert out == "ok"
 
 
-@pytest.mark.skipif(not SOURCE_CHECKOUT, reason="kvlab is installed from a wheel: no source tree to shadow anything")
-def test_an_installed_package_of_that_name_is_found(tmp_path):
+def test_an_installed_package_of_that_name_is_found(installed):
     """A `kernels` package later on sys.path than the root (Hugging Face's, in site-packages) is the one imported."""
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
     out = run("""
         import kvlab, kernels
         print(kernels.WHO)
-    """, env_path=str(tmp_path))
+    """, env_path=installed)
     assert out == "installed"
 
 
-@pytest.mark.skipif(not SOURCE_CHECKOUT, reason="kvlab is installed from a wheel: no source tree to shadow anything")
-def test_a_bare_import_before_kvlab_is_undone(tmp_path):
+def test_a_bare_import_before_kvlab_is_undone(installed):
     """transformers may have imported the folder as `kernels` before kvlab was imported: that module is dropped."""
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
     out = run("""
         import sys
         import kernels, kernels.attention_plan           # the source folder, under its bare name
@@ -73,5 +72,5 @@ def test_a_bare_import_before_kvlab_is_undone(tmp_path):
         import kernels
         assert "kernels.attention_plan" not in sys.modules
         print(kernels.WHO)
-    """, env_path=str(tmp_path))
+    """, env_path=installed)
     assert out == "installed"
