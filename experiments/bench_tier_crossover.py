@@ -69,6 +69,7 @@ def one(loaded, text: list[int], length: int, variant: str, args, page_bytes: in
         for tier in llm.engine.kv.tiers:
             if hasattr(tier, "drop_cached"):
                 tier.drop_cached()
+    demoted_before = llm.stats().get("tier_demoted", 0)
     start = time.perf_counter()
     out = llm.generate([first + answer + message], one_token)[0]
     wall = time.perf_counter() - start
@@ -78,8 +79,12 @@ def one(loaded, text: list[int], length: int, variant: str, args, page_bytes: in
     hist = length // bs  # the history's full pages (the ones a hit can restore): the model's two sides, at the end
     predicted = (placement.restore_seconds(0, hist), placement.recompute_seconds(hist * bs)) \
         if hasattr(placement, "rates") else (None, None)
+    demote = placement.demote_seconds(0) if hasattr(placement, "demote_seconds") else None
+    worth = placement.worth(0) if hasattr(placement, "worth") else None
     llm.close()
     return {"ttft_s": out.ttft_s if out.ttft_s is not None else wall, "restored": stats.get("tier_restored", 0),
+            "demoted": stats.get("tier_demoted", 0) - demoted_before, "predicted_demote_s": demote,
+            "worth": worth,
             "refused": stats.get("tier_refused", 0),
             "recomputed": stats.get("tier_recomputed", 0), "crossover_estimate": cross, "predicted": predicted,
             "answer": out.outputs[0].token_ids}
@@ -161,6 +166,11 @@ def row(length: int, runs: dict[str, list[dict]]) -> dict:
             "predicted_restore_ms": statistics.median(x["predicted"][0] for x in ca) * 1e3,
             "measured_recompute_ms": (med["disk_recompute"] - med["pool_hit"]) * 1e3,
             "predicted_recompute_ms": statistics.median(x["predicted"][1] for x in ca) * 1e3,
+            "demoted_pages": statistics.median(x["demoted"] for x in runs["disk_recompute"]),
+            "measured_demote_ms_per_page": (med["disk_recompute"] - med["recompute"]) * 1e3 / max(
+                statistics.median(x["demoted"] for x in runs["disk_recompute"]), 1) if "recompute" in med else None,
+            "predicted_demote_ms_per_page": statistics.median(x["predicted_demote_s"] for x in ca) * 1e3,
+            "cost_aware_keeps_pages": statistics.median(1.0 if x["worth"] else 0.0 for x in ca),
             "cost_aware_refused_pages": statistics.median(x["refused"] for x in ca),
             "disk_restored_pages": statistics.median(x["restored"] for x in runs["disk"]),
             "answers_identical": all(x["answer"] == rs[0]["answer"] for rs in zip(*runs.values()) for x in rs),
@@ -184,7 +194,12 @@ def report(results: dict, args) -> str:
         f"disk, recompute and disk_recompute; `measured_restore_ms` / `measured_recompute_ms`: disk / disk_recompute minus pool_hit (each "
         f"includes the same demotions of the evicted filler pages); `predicted_*`: cost_aware's model of the two "
         f"sides for the history at the end of the run; `cost_aware_refused_pages`: pages it kept out of the tier; "
-        f"`disk_restored_pages`: pages the disk variant restored (0: no hit reached the tier: n/a) (medians). "
+        f"`disk_restored_pages`: pages the disk variant restored (0: no hit reached the tier: n/a); "
+        f"`demoted_pages`: pages the returning turn demoted (disk_recompute); `measured_demote_ms_per_page`: "
+        f"(disk_recompute - recompute) over them, the tier's whole cost to the turn (demotions, the recomputed "
+        f"pages' files removed); `predicted_demote_ms_per_page`: cost_aware's price (the put and the work behind "
+        f"it); `cost_aware_keeps_pages`: share of runs where its `worth` said a page is worth a tier at the end "
+        f"(medians). "
         f"Per-run TTFTs are in the .json.", "", *lines, "",
         f"Command: `{results['command']}`, run {results['date']}.", "",
         f"`uptime` before: {results['uptime_before']}; after: {results['uptime_after']}", ""])
@@ -193,7 +208,7 @@ def report(results: dict, args) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--lengths", default="16,32,64,128,256,512,1024")
+    p.add_argument("--lengths", default="4,8,16,32,64,128,256,512,1024")
     p.add_argument("--user-len", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -90,6 +90,10 @@ class PagedKV:
         self.tiers[tier].put(key, lambda row: self.rows.gather([page], row))
         self._timed(self.rows.nbytes, started)
 
+    def behind_seconds(self, tier: int) -> float:
+        """`tiers[tier]`'s work for one page off the step's thread (CPU seconds; 0 for the host tier)."""
+        return self.tiers[tier].behind_seconds()
+
     def restore(self, key: Hashable, tier: int, page: int) -> None:
         """Copy `key` from `tiers[tier]` into pool `page`, bit for bit; the tier's copy goes."""
         self.restore_many([(key, tier, page)])
@@ -149,6 +153,8 @@ class PagedKV:
                 if i and not failed:  # the first run warms the worker up
                     placement.observe_demote(t, n, demoted)
                     placement.observe_restore(t, n, time.perf_counter() - started)
+            tier.flush()  # the calibration files' removals behind, timed too
+            placement.observe_behind(t, tier.behind_seconds())
 
     def spill(self, key: Hashable, src: int, dst: int) -> None:
         """Move `key` from `tiers[src]` to the slower `tiers[dst]` (row to row)."""

@@ -39,6 +39,9 @@ class FakeMover:
         assert key not in self.tiers[tier], f"key {key} demoted into tier {tier}, which holds it already"
         self.tiers[tier][key] = self.pool[page]
 
+    def behind_seconds(self, tier):
+        return 0.0
+
     def restore_many(self, items):
         for key, tier, page in items:
             self.pool[page] = self.tiers[tier].pop(key)

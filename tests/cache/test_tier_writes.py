@@ -165,3 +165,30 @@ def test_drop_cached_syncs_the_files_and_forgets_reads_taken(tmp_path):
         tier.load(key, got.copy_)
         assert torch.equal(got, row(i))
     tier.close()
+
+
+@pytest.mark.parametrize("behind", [True, False])
+def test_the_work_behind_the_step_is_measured_a_page(monkeypatch, tmp_path, behind):
+    """`behind_seconds`: the CPU a page's file write behind and its file's removal take off the step's thread (the
+    cost model charges them to a demotion); a write made inline is the step's own `put` and not counted twice.
+    Each write here burns 20 ms of CPU on its thread: a lower bound the test imposes, no timing asserted."""
+    real = disk.write_row
+
+    def burning(file, buf):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.02:
+            pass
+        real(file, buf)
+
+    monkeypatch.setattr(disk, "write_row", burning)
+    tier = DiskTier(4, ROW, str(tmp_path / "t"), async_writes=behind)
+    assert tier.behind_seconds() == 0.0  # nothing seen yet
+    for k in range(3):
+        tier.put(k, lambda r, k=k: r.copy_(row(k)))
+    tier.flush()
+    assert (tier.behind_seconds() >= 0.02) == behind
+    assert len(tier.write_cpu) == (3 if behind else 0)
+    tier.drop(0)
+    tier.flush()  # the removal, behind or at once, is timed too
+    assert len(tier.remove_cpu) == 1
+    tier.close()

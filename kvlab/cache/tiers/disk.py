@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
 import tempfile
 import time
 import warnings
@@ -100,6 +101,15 @@ def write_row(file: Path, buf: torch.Tensor) -> None:
         raise
 
 
+def _on_thread(fn, sink: deque, *args, **kwargs):
+    """`fn(*args, **kwargs)` with the CPU seconds it took on this thread (user and system) appended to `sink`."""
+    started = time.thread_time()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        sink.append(time.thread_time() - started)
+
+
 def read_row(file: Path, row_bytes: int) -> tuple[torch.Tensor, float]:
     """One page file into a fresh [1, row_bytes] buffer (one `readinto`), and the seconds it took; TierReadError
     if it is not whole."""
@@ -143,6 +153,8 @@ class DiskTier(Tier):
         self.worker: ThreadPoolExecutor | None = None  # reads
         self.writer: ThreadPoolExecutor | None = None  # writes, and the removal of files whose write was in flight
         self.write_errors = 0  # writes that failed (their pages are recomputed when read)
+        self.write_cpu: deque = deque(maxlen=64)  # CPU seconds of the last writes behind, on the writer thread
+        self.remove_cpu: deque = deque(maxlen=64)  # ... of the last page files' removals (wherever they ran)
         self._buf = torch.empty((1, row_bytes), dtype=torch.uint8)  # the staging row of a synchronous `put`
         self._next = 0
         self._finalizer = weakref.finalize(self, _cleanup, self.folder, made)
@@ -167,7 +179,7 @@ class DiskTier(Tier):
         self.drop(key)
         if self.writer is None:
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-disk-tier-write")
-        self.writing[key] = (self.writer.submit(write_row, file, buf), buf)
+        self.writing[key] = (self.writer.submit(_on_thread, write_row, self.write_cpu, file, buf), buf)
         self.files[key] = file
 
     def _reap(self) -> None:
@@ -179,10 +191,22 @@ class DiskTier(Tier):
                     self.write_errors += 1
 
     def flush(self) -> None:
-        """Wait until every write in flight is on disk (or failed)."""
+        """Wait until every write in flight is on disk (or failed), and every removal queued behind is done."""
         if self.writing:
             wait([fut for fut, _ in self.writing.values()])
+        if self.writer is not None:
+            self.writer.submit(int).result()  # one worker, in order: what was queued before it has run
         self._reap()
+
+    def behind_seconds(self) -> float:
+        """CPU seconds the tier spends on a page off the step's thread: the median of its last file writes behind
+        (0 when it writes inline: the step's `put` holds the write) plus the median of its last file removals
+        (behind, or at once where `drop` is not timed by the caller). On cores with none free, as on a shared
+        machine, the step loses this time too; a removal of a file synced to the device frees its blocks (ms)."""
+        def med(values) -> float:
+            v = sorted(values)
+            return v[len(v) // 2] if v else 0.0
+        return (med(self.write_cpu) if self.async_writes else 0.0) + med(self.remove_cpu)
 
     def drop_cached(self, keys: list[Hashable] | None = None) -> int:
         """Make the next reads of `keys` (default: every page) cold reads from the device: their writes finished,
@@ -210,8 +234,8 @@ class DiskTier(Tier):
         """`key`'s write in flight is no longer wanted: cancelled, or its file removed once it is written."""
         fut, _ = self.writing.pop(key)
         file = self.files.get(key)
-        if not fut.cancel() and file is not None:
-            self.writer.submit(file.unlink, missing_ok=True)  # runs after the write (one worker, in order)
+        if not fut.cancel() and file is not None:  # runs after the write (one worker, in order)
+            self.writer.submit(_on_thread, file.unlink, self.remove_cpu, missing_ok=True)
         if file is not None:
             del self.files[key]
 
@@ -236,12 +260,12 @@ class DiskTier(Tier):
         written long ago is synced to the device, and its removal frees its blocks: ~4 ms measured here, which a
         restore would otherwise pay inline), else at once."""
         if not self.async_writes:
-            file.unlink(missing_ok=True)
+            _on_thread(file.unlink, self.remove_cpu, missing_ok=True)
             return
         if self.writer is None:
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-disk-tier-write")
         try:
-            self.writer.submit(file.unlink, missing_ok=True)
+            self.writer.submit(_on_thread, file.unlink, self.remove_cpu, missing_ok=True)
         except RuntimeError:  # the worker was shut down: at once
             file.unlink(missing_ok=True)
 

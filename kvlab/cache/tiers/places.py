@@ -13,7 +13,12 @@ all of them are in memory (the scheduler admits the request only then); `prefetc
 placement wants read before the request is scheduled (a returning conversation, at `add_request`). A page whose
 read failed (its file deleted or truncated after it was demoted) is forgotten with a warning: the request is
 looked up again and recomputes that block. The engine's observed rates reach the placement through
-`observe_compute` / `observe_restore` (the cost-aware placement's cost model).
+`observe_compute` / `observe_restore` / `observe_demote` / `observe_behind` (the cost-aware placement's cost
+model). A restore is observed as the request waited for it: from the scheduler's first `fetch` of its pages to the
+end of the copies when no step ran in between (the reads' queue and round trip on the tier's worker, the engine's
+wake-up when it blocked on them), else the copies and the reads' own span (the reads were hidden behind other
+steps). A demotion: the step's own time (`put`), and the tier's work behind the step for one page (its file
+write and removal on the writer thread, CPU seconds: `behind_seconds`).
 
 Invariants (`check`): each key is in exactly one tier; no tier holds more pages than its capacity; the
 tiers' own counts equal the records.
@@ -32,6 +37,7 @@ from kvlab.cache.tiers.placement.base import Placement
 class Mover(Protocol):
     def movable(self, page: int) -> bool: ...
     def demote(self, page: int, tier: int, key: Hashable) -> None: ...
+    def behind_seconds(self, tier: int) -> float: ...
     def restore_many(self, items: list[tuple[Hashable, int, int]]) -> dict[int, float]: ...
     def spill(self, key: Hashable, src: int, dst: int) -> None: ...
     def discard(self, key: Hashable, tier: int) -> None: ...
@@ -75,6 +81,8 @@ class Places:
         self.claimed: set[Hashable] = set()  # about to be restored: no longer a victim
         self.reading: set[Hashable] = set()  # reads ahead started, not yet reported by the tier
         self.on_drop: Callable[[Hashable], None] | None = None
+        self.asked: dict[Hashable, tuple[float, int]] = {}  # first `fetch` of a page: (perf_counter, steps then)
+        self.steps = 0  # steps the engine computed (`observe_compute`)
         self.stats = TierStats()
 
     def __len__(self) -> int:
@@ -90,6 +98,7 @@ class Places:
         started = time.perf_counter()
         self.mover.demote(page, tier, key)
         self.placement.observe_demote(tier, 1, time.perf_counter() - started)
+        self.placement.observe_behind(tier, self.mover.behind_seconds(tier))
         self._add(key, tier)
         self.stats.demoted += 1
         return True
@@ -107,14 +116,22 @@ class Places:
     def restore_many(self, pairs: list[tuple[Hashable, int]]) -> None:
         """Blocks come back into fresh pool pages (key, page), moved together (one copy per pool tensor and tier)."""
         items = []
+        asked = [self.asked.pop(key) for key, _ in pairs if key in self.asked]
         for key, page in pairs:
             tier = self.tier_of.pop(key)
             self.held[tier] -= 1
             self.claimed.discard(key)
             self.placement.removed(key)
             items.append((key, tier, page))
-        for tier, seconds in self.mover.restore_many(items).items():
-            self.placement.observe_restore(tier, sum(1 for _, t, _ in items if t == tier), seconds)
+        seconds = self.mover.restore_many(items)
+        if asked and all(steps == self.steps for _, steps in asked) and seconds:
+            # no step ran since the scheduler first asked for these pages: the request waited from then to now
+            # (the reads' queue and round trip, the engine's wake-up, the copies); the slowest tier's share
+            slowest = max(seconds)
+            seconds[slowest] = max(seconds[slowest], time.perf_counter() - min(t for t, _ in asked)
+                                   - sum(s for t, s in seconds.items() if t != slowest))
+        for tier, s in seconds.items():
+            self.placement.observe_restore(tier, sum(1 for _, t, _ in items if t == tier), s)
         for key, tier, _ in items:
             self.placement.hit(key)
             self.stats.restored += 1
@@ -124,8 +141,11 @@ class Places:
     def fetch(self, keys: list[Hashable]) -> bool:
         """Start the reads `keys` need (a request's hit, about to be scheduled); True once every one is in memory.
         A failed read forgets its page (see `poll`): the caller looks the request up again."""
+        now = time.perf_counter()
         for key in keys:
             tier = self.tier_of.get(key)
+            if tier is not None:
+                self.asked.setdefault(key, (now, self.steps))
             if tier is not None and key not in self.reading and not self.mover.ready(key, tier):
                 self._start(key, tier)
                 self.stats.fetched += 1
@@ -180,6 +200,7 @@ class Places:
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         """A step computed `tokens` prompt tokens in `seconds` (the cost model's recompute rate)."""
+        self.steps += 1
         self.placement.observe_compute(tokens, seconds)
 
     def discard(self, key: Hashable) -> None:
@@ -188,6 +209,7 @@ class Places:
         self.held[tier] -= 1
         self.claimed.discard(key)
         self.reading.discard(key)
+        self.asked.pop(key, None)
         self.placement.removed(key)
         self.mover.discard(key, tier)
 
@@ -230,6 +252,7 @@ class Places:
         self.tier_of.pop(key)
         self.held[tier] -= 1
         self.reading.discard(key)
+        self.asked.pop(key, None)
         self.mover.discard(key, tier)
         self.stats.dropped += 1
         if self.on_drop is not None:

@@ -79,6 +79,11 @@ class Tier(ABC):
         """Seconds the file reads of `keys` took (reads ahead finished, or the last `load`s), forgotten once told."""
         return 0.0
 
+    def behind_seconds(self) -> float:
+        """CPU seconds this tier spends on one page off the caller's thread (a file write behind, the file's
+        removal): what the step loses to it on cores with none free (0: none)."""
+        return 0.0
+
     @property
     def in_flight(self) -> int:
         """Reads started and not yet reported by `poll`."""

@@ -18,8 +18,11 @@ pool (`EngineConfig.offload`): the placement decides where it goes. Tiers are nu
                                    `tokens` tokens behind `start` kept ones: restore (True, default) or recompute
     observe_compute(tokens, s)     a step computed `tokens` tokens in `s` seconds (the engine's observed rate)
     observe_restore(tier, n, s)    `n` pages came back from `tier` in `s` seconds (the reads' wall time included)
-    observe_demote(tier, n, s)     `n` pages went down to `tier` in `s` seconds (what the step paid: a row copy,
-                                   and the file write where the tier does not write behind)
+    observe_demote(tier, n, s)     `n` pages went down to `tier` in `s` seconds (what the step's thread paid: a
+                                   row copy, and the file write where the tier does not write behind)
+    observe_behind(tier, s)        the tier's own work for one page, off the step's thread (a disk tier's file
+                                   write behind and the file's later removal, CPU seconds on its writer thread:
+                                   on cores with none free, time the step loses too)
     compute_sizes() -> sizes       the next round of prompt lengths the engine times forwards of at start, asked
                                    until it is empty (calibration; default none), each told to
     observe_calibration(tokens, s)
@@ -94,6 +97,9 @@ class Placement(ABC):
 
     def observe_demote(self, tier: int, pages: int, seconds: float) -> None:
         """`pages` pages went down to `tier` in `seconds` (what the step's thread paid)."""
+
+    def observe_behind(self, tier: int, seconds: float) -> None:
+        """`tier`'s work behind the step for one page is now `seconds` (CPU seconds on its own worker)."""
 
     def compute_sizes(self) -> tuple[int, ...]:
         """Prompt lengths (tokens) whose forward the engine times at start, each told to `observe_compute`

@@ -16,8 +16,10 @@ its length), else a straight line; without a calibration a Theil-Sen line throug
 fixed cost does not count and one slow step does not swing it; each tier's latency and
 per-page time are a line through its restores (start-up calibration, `PagedKV.calibrate`, cold reads with
 `cold_calibration`, then every real restore: the copy and the wall time of its reads ahead), its demotion cost
-the median of the last ones. The
-parameters below are the priors used until there are samples. A full tier's victim is its least recently
+the median of the last `put`s on the step's thread plus `behind_share` of the tier's work for a page behind it
+(a disk tier's file write on its writer thread and the file's later removal, in CPU seconds: on two shared cores
+the writer runs on the step's time; tier_restore_cost.md measured the put alone at a fraction of what the step
+pays). The parameters below are the priors used until there are samples. A full tier's victim is its least recently
 inserted page, spilled to the next tier only if that tier passes the same test. In the spirit of LMCache's and
 Mooncake's store-vs-recompute trade-off (Cheng et al. 2024, arXiv:2409.13761; Qin et al. 2024, arXiv:2407.00079).
 """
@@ -54,8 +56,11 @@ class CostAwarePlacement(LRUPlacement):
     calibration_budget_s: float = 0.1  # seconds of start-up forwards beyond the first calibration_repeats rounds
     cold_calibration: bool = False  # the start-up restores read cold files (synced, dropped from the OS page
     # cache: PagedKV.calibrate): pages that come back long after they went down
+    behind_share: float = 1.0  # share of a tier's work behind the step (file write, removal: CPU seconds on its
+    # writer thread) a demotion is charged: 1 where no core is free for it (a shared CPU machine), 0 where one is
     samples: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of (pages, seconds)
     demotes: dict = field(default_factory=dict, init=False, repr=False)  # tier -> deque of seconds per page
+    behind: dict = field(default_factory=dict, init=False, repr=False)  # tier -> its work behind the step a page
     compute: deque = field(default_factory=lambda: deque(maxlen=32), init=False, repr=False)  # (tokens, seconds)
     calibration: list = field(default_factory=list, init=False, repr=False)  # start-up (tokens, seconds)
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # fitted lines until the next sample
@@ -65,7 +70,7 @@ class CostAwarePlacement(LRUPlacement):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cost_aware.{name} must be > 0, got {getattr(self, name)}")
         for name in ("host_latency_s", "disk_latency_s", "calibration_repeats", "calibration_rounds",
-                     "calibration_budget_s"):
+                     "calibration_budget_s", "behind_share"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost_aware.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -90,9 +95,13 @@ class CostAwarePlacement(LRUPlacement):
         return self._cache[("restore", tier)]
 
     def demote_seconds(self, tier: int) -> float:
-        """Seconds per page the step pays to demote into `tier`: the median of the recent ones (0 until seen)."""
+        """Seconds per page the step pays to demote into `tier`: the median of the recent `put`s on its thread
+        (0 until seen) plus `behind_share` of the tier's own work for the page off that thread (its file write
+        behind and the file's removal, `observe_behind`)."""
+        if not self.measured:
+            return 0.0
         obs = self.demotes.get(tier)
-        return median(list(obs)) if self.measured and obs else 0.0
+        return (median(list(obs)) if obs else 0.0) + self.behind_share * self.behind.get(tier, 0.0)
 
     def compute_curve(self) -> tuple[float, float]:
         """(seconds per token, per token squared) of a prefill: the parabola through the fastest calibration
@@ -176,3 +185,6 @@ class CostAwarePlacement(LRUPlacement):
     def observe_demote(self, tier: int, pages: int, seconds: float) -> None:
         if pages > 0:
             self.demotes.setdefault(tier, deque(maxlen=32)).append(seconds / pages)
+
+    def observe_behind(self, tier: int, seconds: float) -> None:
+        self.behind[tier] = max(seconds, 0.0)
