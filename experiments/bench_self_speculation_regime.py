@@ -86,7 +86,7 @@ def draft_spec(args, key: str) -> tuple[str, str, dict]:
         return (f"self_compressed(snapkv {args.snapkv_budget}, refresh {args.snapkv_refresh}"
                 f"{', rescore all' if args.snapkv_rescore == 'all' else ''})", "self_compressed",
                 {**view, "policy": "snapkv", "policy_args": {"budget": args.snapkv_budget, "window_size": 16},
-                 "refresh": args.snapkv_refresh, "rescore": args.snapkv_rescore})
+                 "refresh": args.snapkv_refresh, **({"rescore": "all"} if args.snapkv_rescore == "all" else {})})
     if key == "int4":
         return (f"self_compressed(streaming_llm {args.int4_budget}, int4, refresh {args.refresh})", "self_compressed",
                 {**view, "policy": "streaming_llm", "policy_args": {"budget": args.int4_budget}, "quant": "int4",
