@@ -19,28 +19,30 @@ shape of a verification pass; the kernel runs chunks of n <= MAX_KERNEL_Q as n d
 The bytes column still counts each stored byte once (the kernel reads a sequence's pages once per query row).
 
 With --baseline REV the kernel source of that git revision is built the same way (its own library in the kernel
-cache) and timed beside this one's, interleaved with it.
+cache, kvlab.study.kernel_revision) and timed beside this one's, interleaved with it. --threads 1 2 gives every
+cell once per thread count, each count with its own roof. "in decode steps" divides a row's kernel time by the
+q_len-1 row's of the same cell (add --q-len 1): what a verification chunk of q_len queries costs in decode steps.
+
+    python experiments/bench_decode_attention.py --batch 16 --context 4096 --formats fp32 bf16-q --q-len 1 3 5 9 \
+        --threads 1 2 --baseline a2790e0 --no-reference   # chunk cost before / after, one and two threads
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
+from kvlab.study.kernel_revision import kernel_at, kernel_swapped
 
 FORMATS = ["fp32", "bf16", "bf16-q", "fp16", "int8", "fp8_e4m3", "int4"]
 DEFAULT_FORMATS = ["fp32", "bf16", "fp16", "int8", "int4"]
 QUERY_BF16 = {"bf16-q": "bf16"}  # a bf16 pool read by bf16 queries (the engine's bf16 compute dtype)
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
-COLUMNS = [("batch", "batch"), ("context", "context"), ("format", "format"), ("q_len", "query rows a sequence"), ("mib", "K+V MiB read"),
-           ("kernel_ms", "kernel ms"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
+COLUMNS = [("threads", "threads"), ("batch", "batch"), ("context", "context"), ("format", "format"), ("q_len", "query rows a sequence"), ("mib", "K+V MiB read"),
+           ("kernel_ms", "kernel ms"), ("per_decode", "in decode steps"), ("ref_ms", "reference ms"), ("speedup", "reference / kernel"),
            ("kernel_gbs", "kernel GB/s"), ("kernel_roof", "kernel / roof"), ("ref_roof", "reference / roof"),
            ("kernel_cpu_roof", "kernel / roof, CPU time"), ("ref_cpu_roof", "reference / roof, CPU time"),
            ("step_ms", "kernel ms per step (x30 layers)"), ("max_diff_s", "max |kernel - ref|")]
@@ -101,28 +103,6 @@ def bytes_read(cache, tables, context: int) -> int:
     return total
 
 
-def baseline_kernel(rev: str):
-    """The kernel function of decode_attention.cpp at git revision `rev`, built with this checkout's flags."""
-    from kvlab.kernels.cpu import build
-    from kvlab.kernels.cpu import decode_attention as cpu
-
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/cpu/decode_attention.cpp"],
-                            capture_output=True, text=True, check=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "decode_attention.cpp"
-        path.write_text(source)
-        saved, build.SOURCE = build.SOURCE, path
-        try:
-            target = build.library_path(build.compiler())
-            if not target.exists():
-                build.build(build.compiler(), target)
-        finally:
-            build.SOURCE = saved
-    fn = ctypes.CDLL(str(target)).kvlab_decode_attention
-    fn.argtypes, fn.restype = cpu._kernel().argtypes, ctypes.c_int  # an older ABI ignores the trailing arguments
-    return fn
-
-
 def timed(fn, iters: int) -> tuple[float, float]:
     """(wall seconds, this thread's CPU seconds) per call, the mean over `iters` calls. With one thread the
     kernel runs on the calling thread, so CPU time leaves out the time other jobs held the core."""
@@ -132,78 +112,111 @@ def timed(fn, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - w0) / iters, (time.thread_time() - c0) / iters
 
 
-def run(args) -> tuple[list[dict], tuple[float, float]]:
+def run(args) -> tuple[list[dict], dict[int, tuple[float, float]]]:
     import torch
 
     from kvlab.kernels.attention_plan import plan_paged_attention
     from kvlab.kernels.cpu import decode_attention as cpu
     from kvlab.kernels.reference import paged_attention as ref
 
-    torch.set_num_threads(args.threads)
     if not cpu.available():
         raise SystemExit("the CPU kernels are not available (no g++, or KVLAB_CPU_KERNELS=0)")
-    roof, roof_cpu = read_roof(args.roof_gib, 5)
-    log(f"streaming read roof: {roof:.1f} GB/s, {roof_cpu:.1f} GB/s by CPU time ({args.threads} thread(s))")
-    baseline = baseline_kernel(args.baseline) if args.baseline else None
-    current = cpu._kernel
-    rows = []
-    for batch, context, fmt, q_len in itertools.product(args.batch, args.context, args.formats, args.q_len):
-        k, v, plan, nbytes = pool(QUERY_BF16.get(fmt, fmt), batch, context, args.seed)
-        plan = plan_paged_attention([b * q_len for b in range(batch + 1)], plan.seq_lens, plan.block_tables, BS)
-        q = torch.randn(batch * q_len, HQ, D).to(torch.bfloat16 if fmt in QUERY_BF16 else torch.float32)
-        run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
-        run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
-        diff = float((run_kernel().float() - run_ref().float()).abs().max())  # also warms both up (plans, memos)
-        kt, rt, bt = [], [], []
-        for _ in range(args.repeats):
-            kt.append(timed(run_kernel, args.iters))
+    baseline = kernel_at(args.baseline) if args.baseline else None
+    rows, roofs = [], {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)  # the kernel runs torch.get_num_threads() OpenMP threads
+        roofs[threads] = read_roof(args.roof_gib, 5)
+        log(f"streaming read roof: {roofs[threads][0]:.1f} GB/s, {roofs[threads][1]:.1f} GB/s by CPU time "
+            f"({threads} thread(s))")
+        for batch, context, fmt in itertools.product(args.batch, args.context, args.formats):
+            k, v, plan0, nbytes = pool(QUERY_BF16.get(fmt, fmt), batch, context, args.seed)
+            for q_len in args.q_len:
+                rows.append(cell(args, threads, roofs[threads], batch, context, fmt, q_len, k, v, plan0, nbytes,
+                                 baseline, cpu, ref, plan_paged_attention))
+            del k, v, plan0
+    add_per_decode_step(rows)
+    return rows, roofs
+
+
+def cell(args, threads, roof, batch, context, fmt, q_len, k, v, plan0, nbytes, baseline, cpu, ref, plan_paged_attention):
+    """One (threads, batch, context, format, q_len) row: kernel, reference and baseline interleaved per repeat."""
+    import torch
+
+    roof, roof_cpu = roof
+    plan = plan_paged_attention([b * q_len for b in range(batch + 1)], plan0.seq_lens, plan0.block_tables, BS)
+    q = torch.randn(batch * q_len, HQ, D).to(torch.bfloat16 if fmt in QUERY_BF16 else torch.float32)
+    run_kernel = lambda: cpu.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+    run_ref = lambda: ref.run_paged_attention(q, k, v, plan, 0.125)  # noqa: E731
+    diff = float((run_kernel().float() - run_ref().float()).abs().max())  # also warms both up (plans, memos)
+    kt, rt, bt = [], [], []
+    for _ in range(args.repeats):
+        kt.append(timed(run_kernel, args.iters))
+        if not args.no_reference:
             rt.append(timed(run_ref, max(1, args.iters // 4)))
-            if baseline is not None:
-                cpu._kernel = lambda: baseline  # noqa: E731
-                try:
-                    bt.append(timed(run_kernel, args.iters))
-                finally:
-                    cpu._kernel = current
-        km, rm = (statistics.median(t[0] for t in ts) for ts in (kt, rt))
-        kc, rc = (statistics.median(t[1] for t in ts) for ts in (kt, rt))
-        rows.append({"batch": batch, "q_len": q_len, "context": context, "format": fmt, "mib": nbytes / 2**20,
-                     "kernel_ms": 1e3 * km, "ref_ms": 1e3 * rm, "speedup": rm / km,
-                     "kernel_gbs": nbytes / km / 1e9, "kernel_roof": nbytes / km / 1e9 / roof,
-                     "ref_gbs": nbytes / rm / 1e9, "ref_roof": nbytes / rm / 1e9 / roof,
-                     "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu, "ref_cpu_roof": nbytes / rc / 1e9 / roof_cpu,
-                     "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}",
-                     "kernel_s": kt, "ref_s": rt})
-        if bt:
-            bm, bc = statistics.median(t[0] for t in bt), statistics.median(t[1] for t in bt)
-            rows[-1].update(baseline_ms=1e3 * bm, baseline_speedup=bm / km,
-                            baseline_cpu_roof=nbytes / bc / 1e9 / roof_cpu, baseline_s=bt)
-        log(f"b{batch} q{q_len} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
-            f"{nbytes / kc / 1e9:.1f} by CPU time), reference {1e3 * rm:.2f} ms")
-        del k, v, plan
-    return rows, (roof, roof_cpu)
+        if baseline is not None:
+            with kernel_swapped(baseline):
+                bt.append(timed(run_kernel, args.iters))
+    km, kc = (statistics.median(t[i] for t in kt) for i in (0, 1))
+    row = {"threads": threads, "batch": batch, "q_len": q_len, "context": context, "format": fmt,
+           "mib": nbytes / 2**20, "kernel_ms": 1e3 * km, "kernel_gbs": nbytes / km / 1e9,
+           "kernel_roof": nbytes / km / 1e9 / roof, "kernel_cpu_roof": nbytes / kc / 1e9 / roof_cpu,
+           "step_ms": 1e3 * km * LAYERS, "max_diff": diff, "max_diff_s": f"{diff:.1e}", "kernel_s": kt,
+           "roof_gbs": roof}
+    if rt:
+        rm, rc = (statistics.median(t[i] for t in rt) for i in (0, 1))
+        row.update(ref_ms=1e3 * rm, speedup=rm / km, ref_gbs=nbytes / rm / 1e9, ref_roof=nbytes / rm / 1e9 / roof,
+                   ref_cpu_roof=nbytes / rc / 1e9 / roof_cpu, ref_s=rt)
+    if bt:
+        bm, bc = statistics.median(t[0] for t in bt), statistics.median(t[1] for t in bt)
+        row.update(baseline_ms=1e3 * bm, baseline_speedup=bm / km, baseline_cpu_roof=nbytes / bc / 1e9 / roof_cpu,
+                   baseline_s=bt)
+    log(f"{threads}t b{batch} q{q_len} ctx{context} {fmt}: kernel {1e3 * km:.2f} ms ({nbytes / km / 1e9:.1f} GB/s, "
+        f"{nbytes / kc / 1e9:.1f} by CPU time)" + (f", baseline {row['baseline_ms']:.2f} ms" if bt else ""))
+    return row
 
 
-def report(rows: list[dict], roofs: tuple[float, float], meta: dict, args) -> str:
+def add_per_decode_step(rows: list[dict]) -> None:
+    """A chunk's time in decode steps: its kernel ms over the q_len-1 row's of the same threads / batch / context /
+    format (the cost a verification pass pays), for this kernel and the baseline alike."""
+    key = lambda r: (r["threads"], r["batch"], r["context"], r["format"])  # noqa: E731
+    decode = {key(r): r for r in rows if r["q_len"] == 1}
+    for r in rows:
+        one = decode.get(key(r))
+        if one is None:
+            continue
+        r["per_decode"] = r["kernel_ms"] / one["kernel_ms"]
+        if "baseline_ms" in r:
+            r["baseline_per_decode"] = r["baseline_ms"] / one["baseline_ms"]
+
+
+def report(rows: list[dict], roofs: dict[int, tuple[float, float]], meta: dict, args) -> str:
     columns = COLUMNS
+    if args.no_reference:
+        columns = [c for c in columns if c[0] not in ("ref_ms", "speedup", "ref_roof", "ref_cpu_roof")]
     if args.baseline:
-        at = [c[0] for c in COLUMNS].index("speedup") + 1
-        columns = COLUMNS[:at] + [("baseline_ms", f"kernel at {args.baseline} ms"),
+        at = [c[0] for c in columns].index("speedup" if not args.no_reference else "kernel_ms") + 1
+        columns = columns[:at] + [("baseline_ms", f"kernel at {args.baseline} ms"),
                                   ("baseline_speedup", f"{args.baseline} / kernel"),
-                                  ("baseline_cpu_roof", f"{args.baseline} / roof, CPU time")] + COLUMNS[at:]
+                                  ("baseline_per_decode", f"{args.baseline}: in decode steps"),
+                                  ("baseline_cpu_roof", f"{args.baseline} / roof, CPU time")] + columns[at:]
+    roof_text = "; ".join(f"{t} thread(s): **{w:.1f} GB/s** by wall time, **{c:.1f} GB/s** by the thread's CPU time"
+                          for t, (w, c) in roofs.items())
     return "\n".join([
         "# Paged decode attention on the CPU: native kernel vs torch reference",
         "",
         *provenance(meta, "other jobs share the cores: timings are indicative only"),
         f"One layer's decode attention in SmolLM2-135M's shape ({HQ} query heads, {HKV} KV heads, head_dim {D}, "
-        f"{BS}-token pages in shuffled order), fp32 queries (bf16-q: bf16 queries); {args.threads} thread(s). Time: median over "
+        f"{BS}-token pages in shuffled order), fp32 queries (bf16-q: bf16 queries); threads: "
+        f"{', '.join(map(str, args.threads))}. Time: median over "
         f"{args.repeats} repeats of the mean of {args.iters} kernel calls ({max(1, args.iters // 4)} reference "
         f"calls), both backends interleaved in every repeat. Bytes read: the pages' K and V as stored (int8: codes "
         "and fp16 scales; int4: KIVI codes, fp16 scales and zero points, and the fp32 residual rows of the open "
         "pages), once each. Roof: `torch.sum` over "
-        f"{args.roof_gib} GiB of random float32 in the same run, {args.threads} thread(s): **{roofs[0]:.1f} GB/s** by "
-        f"wall time, **{roofs[1]:.1f} GB/s** by the thread's CPU time. The CPU-time columns divide bytes by the "
-        "calling thread's CPU time (the kernel runs on it with one thread) and compare with the roof's CPU-time "
-        "figure: they leave out the time other jobs held the core, not the memory they shared.",
+        f"{args.roof_gib} GiB of random float32 in the same run, each thread count before its rows: {roof_text}. "
+        "The CPU-time columns divide bytes by the calling thread's CPU time (with one thread the kernel runs on it; "
+        "with more they count the calling thread's share only) and compare with the roof's CPU-time figure: they "
+        "leave out the time other jobs held the core, not the memory they shared. 'in decode steps': the row's "
+        "kernel time over the q_len-1 row's (same threads, batch, context, format), what a verification chunk costs.",
         "",
         table(rows, columns),
         "",
@@ -218,7 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, choices=FORMATS,
                    help="bf16-q: a bf16 pool and bf16 queries")
     p.add_argument("--q-len", type=int, nargs="+", default=[1], help="query rows a sequence (5: a k = 4 verification)")
-    p.add_argument("--threads", type=int, default=1, help="torch and kernel threads (the machine is shared)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="torch and kernel threads, each its own rows and roof (the machine is shared)")
+    p.add_argument("--no-reference", action="store_true", help="time the kernel (and baseline) only")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=8, help="kernel calls per repeat (a quarter as many reference calls)")
     p.add_argument("--roof-gib", type=float, default=1.0)
@@ -233,7 +248,7 @@ def main(argv=None) -> int:
     args.model = "SmolLM2-135M attention shape"  # what metadata() records as the model
     meta = metadata(args)
     rows, roofs = run(args)
-    meta["roof_gbs"], meta["roof_cpu_gbs"] = roofs
+    meta["roofs"] = {str(t): {"gbs": w, "cpu_gbs": c} for t, (w, c) in roofs.items()}
     save(args.out, report(rows, roofs, meta, args), meta, rows)
     return 0
 

@@ -19,11 +19,17 @@ block r of --steps steps runs variant r mod len(variants), the variants being ev
 quantised cache (quanto backend, 4 bits, residual 128), where optimum-quanto is installed.
 
 "K/V GB/s": the extra K/V bytes of a longer context over the extra time, against the same row at the
-shortest context (what the K/V-reading part of the step streams).
+shortest context (what the K/V-reading part of the step streams). "attention ms": the wall time a step spends in
+the CPU attention launcher (kvlab.kernels.cpu.decode_attention.run_paged_attention, all layers: the K/V read
+itself), and "attention K/V of roof" the step's K/V bytes over that time, as a fraction of the roof. With
+--kernel-baseline REV the decode-attention kernel of that git revision (kvlab.study.kernel_revision) takes
+turns with this checkout's, block by block within the same prefill (a variant like a layout).
 
     python experiments/bench_decode_roof.py --batches 1 16 --contexts 32 512 2048 --quants auto int4
     python experiments/bench_decode_roof.py --linear-backends torch cpu --layouts auto --quants auto --no-hf
     python experiments/bench_decode_roof.py --model random:llama-tiny --batches 1 --contexts 16 --steps 2 --out /tmp/r
+    python experiments/bench_decode_roof.py --batches 16 --contexts 32 3000 --quants auto --layouts auto \
+        --linear-backends cpu --no-hf --threads 2 --max-prompt-tokens 50000 --kernel-baseline a2790e0
 """
 
 from __future__ import annotations
@@ -33,13 +39,15 @@ import statistics
 import time
 
 from kvlab.study.bench_io import REPO, log, metadata, provenance, save, table
+from kvlab.study.kernel_revision import kernel_at
 
 COLUMNS = [("system", "system"), ("dtype", "dtype"), ("quant", "cache"), ("layout", "layout"),
-           ("linear_backend", "linear"), ("forward", "forward"), ("batch", "batch"),
+           ("linear_backend", "linear"), ("forward", "forward"), ("kernel", "attention kernel"), ("batch", "batch"),
            ("context", "context"), ("step_ms", "step ms (median)"), ("tok_s", "tok/s"),
            ("weight_mb", "weights MB"), ("kv_mb", "K/V MB"), ("gb_s", "GB/s"), ("roof_gb_s", "roof GB/s"),
            ("roof_fraction", "of roof"),
-           ("kv_gb_s", "K/V GB/s"), ("kv_roof_fraction", "K/V of roof"), ("vs_hf", "vs HF (same cache)")]
+           ("kv_gb_s", "K/V GB/s"), ("kv_roof_fraction", "K/V of roof"), ("attn_ms", "attention ms"),
+           ("attn_roof_fraction", "attention K/V of roof"), ("vs_hf", "vs HF (same cache)")]
 
 
 # -- the roof ------------------------------------------------------------------------------------------
@@ -77,34 +85,53 @@ def hf_kv_bytes_per_token(config, dtype, nbits: int | None) -> float:
 
 
 # -- timed decoding -------------------------------------------------------------------------------------
-def kvlab_cell(llm, prompts, blocks: int, args, variants) -> list[tuple[tuple[str, str], float, float]]:
-    """((layout, backend), mean step s, mean cached tokens per sequence) per block of --steps decode steps."""
+def kvlab_cell(llm, prompts, blocks: int, args, variants, kernels) -> list[tuple[tuple, float, float, float]]:
+    """((layout, backend, forward, kernel), mean step s, mean cached tokens per sequence, mean attention s a step)
+    per block of --steps decode steps; `kernels`: {name: kernel function, None for this checkout's}."""
     from kvlab import SamplingParams
     from kvlab.engine.linear_backend import apply_linear
+    from kvlab.kernels.cpu import decode_attention as cpu
 
     engine, total = llm.engine, 1 + args.warmup + blocks * args.steps
-    lean = engine.runner.lean
+    lean, own_kernel, launcher = engine.runner.lean, cpu._kernel, cpu.run_paged_attention
+    attention = [0.0]  # seconds this step spent in the attention launcher
+
+    def timed_launcher(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return launcher(*a, **kw)
+        finally:
+            attention[0] += time.perf_counter() - t0
+
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=total, ignore_eos=True))
-    times, out = [], []
-    while engine.has_unfinished():
-        i = len(times) - 1 - args.warmup  # decode step index after the warm-up (-1 - warmup: the prefill)
-        if i >= 0 and i % args.steps == 0:
-            layout, backend, forward = variants[(i // args.steps) % len(variants)]
-            apply_linear(engine.model, layout, backend)
-            engine.runner.lean = lean if forward == "lean" else None  # hf: transformers' forward
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    times, attn, out = [], [], []
+    cpu.run_paged_attention = timed_launcher
+    try:
+        while engine.has_unfinished():
+            i = len(times) - 1 - args.warmup  # decode step index after the warm-up (-1 - warmup: the prefill)
+            if i >= 0 and i % args.steps == 0:
+                layout, backend, forward, kernel = variants[(i // args.steps) % len(variants)]
+                apply_linear(engine.model, layout, backend)
+                engine.runner.lean = lean if forward == "lean" else None  # hf: transformers' forward
+                cpu._kernel = own_kernel if kernels[kernel] is None else (lambda fn=kernels[kernel]: fn)
+            attention[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            attn.append(attention[0])
+    finally:
+        cpu.run_paged_attention, cpu._kernel = launcher, own_kernel
     if len(times) != total:  # step 1 is the whole prefill, every later step one token per sequence
         raise RuntimeError(f"{len(times)} engine steps for {total} tokens: the prefill did not fit one step")
     apply_linear(engine.model, "none", "torch")
     engine.runner.lean = lean
-    decode = times[1 + args.warmup:]
+    decode, decode_attn = times[1 + args.warmup:], attn[1 + args.warmup:]
     for b in range(blocks):
         start = len(prompts[0]) + 1 + args.warmup + b * args.steps  # cached tokens at the block's first step
-        out.append((variants[b % len(variants)], statistics.mean(decode[b * args.steps:(b + 1) * args.steps]),
-                    start + (args.steps - 1) / 2))
+        block = slice(b * args.steps, (b + 1) * args.steps)
+        out.append((variants[b % len(variants)], statistics.mean(decode[block]), start + (args.steps - 1) / 2,
+                    statistics.mean(decode_attn[block])))
     return out
 
 
@@ -130,7 +157,7 @@ def hf_cell(model, prompts, args, quantized: bool) -> list[tuple[str, float, flo
     steps = [b - a for a, b in zip(stamp.times, stamp.times[1:])][args.warmup:]  # step i: forward at context c+i
     c = len(prompts[0])
     return [("none", statistics.mean(steps[r * args.steps:(r + 1) * args.steps]),
-             c + 1 + args.warmup + r * args.steps + (args.steps - 1) / 2) for r in range(args.repeats)]
+             c + 1 + args.warmup + r * args.steps + (args.steps - 1) / 2, None) for r in range(args.repeats)]
 
 
 def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token, roof: float) -> list[dict]:
@@ -139,24 +166,28 @@ def rows_of(system, dtype, quant, batch, context, blocks, weights, kv_per_token,
     rows = []
     for variant in dict.fromkeys(b[0] for b in blocks):
         mine = [b for b in blocks if b[0] == variant]
-        layout, backend, forward = variant if isinstance(variant, tuple) else (variant, None, None)
-        step = statistics.median(t for _, t, _ in mine)
-        cached = statistics.mean(c for _, _, c in mine)
+        layout, backend, forward, kernel = variant if isinstance(variant, tuple) else (variant, None, None, None)
+        step = statistics.median(b[1] for b in mine)
+        cached = statistics.mean(b[2] for b in mine)
         kv = batch * cached * kv_per_token
+        attn = None if mine[0][3] is None else statistics.median(b[3] for b in mine)
         rows.append({"system": system, "dtype": dtype, "quant": quant, "layout": layout,
-                     "linear_backend": backend, "forward": forward, "batch": batch,
+                     "linear_backend": backend, "forward": forward, "kernel": kernel, "batch": batch,
                      "context": context, "step_ms": 1000 * step, "tok_s": batch / step, "weight_mb": weights / 1e6,
                      "kv_mb": kv / 1e6, "gb_s": (weights + kv) / step / 1e9,
                      "roof_gb_s": roof / 1e9, "roof_fraction": (weights + kv) / step / roof,
-                     "steps_s": [t for _, t, _ in mine],
+                     "steps_s": [b[1] for b in mine],
                      "kv_bytes": kv, "step_s": step})
+        if attn:
+            rows[-1].update(attn_ms=1000 * attn, attn_roof_fraction=kv / attn / roof,
+                            attn_s=[b[3] for b in mine])
     return rows
 
 
 def add_derived(rows: list[dict]) -> None:
     """K/V GB/s against the same system/dtype/cache/layout/batch at the shortest context; kvlab over HF."""
     key = lambda r: (r["system"], r["dtype"], r["quant"], r["layout"], r.get("linear_backend"), r.get("forward"),
-                     r["batch"])  # noqa: E731
+                     r.get("kernel"), r["batch"])  # noqa: E731
     for r in rows:
         base = min((o for o in rows if key(o) == key(r)), key=lambda o: o["context"])
         dt = r["step_s"] - base["step_s"]
@@ -185,8 +216,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
 
     g = torch.Generator().manual_seed(args.seed)
     cells = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_prompt_tokens]
-    variants = [(layout, backend, forward) for layout in args.layouts for backend in args.linear_backends
-                for forward in args.forwards]
+    kernels = {"this": None, **({args.kernel_baseline: kernel_at(args.kernel_baseline)} if args.kernel_baseline else {})}
+    variants = [(layout, backend, forward, kernel) for layout in args.layouts for backend in args.linear_backends
+                for forward in args.forwards for kernel in kernels]
     blocks = args.repeats * len(variants)
     rows = []
     for dtype_name in args.dtypes:
@@ -205,7 +237,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 prompts = [torch.randint(3, vocab, (c,), generator=g).tolist() for _ in range(b)]
                 log(f"{dtype_name} {quant} batch {b} context {c}: kvlab")
                 now = roof()
-                rows += rows_of("kvlab", dtype_name, quant, b, c, kvlab_cell(llm, prompts, blocks, args, variants),
+                rows += rows_of("kvlab", dtype_name, quant, b, c, kvlab_cell(llm, prompts, blocks, args, variants, kernels),
                                 weights, kv_token, now)
                 quantized = quant != "auto"
                 if hf is None or (quantized and (quant != "int4" or not quanto_installed())):
@@ -237,11 +269,15 @@ def report(roofs: list[dict], rows: list[dict], meta: dict, args) -> str:
         f"Per cell: one prefill of random prompts, {args.warmup} warm-up steps, then {args.repeats} x {args.steps} "
         f"timed decode steps per kvlab layout ({', '.join(args.layouts)}) x linear backend "
         f"({', '.join(args.linear_backends)}) x forward ({', '.join(args.forwards)}; lean: "
-        "kvlab/engine/lean_forward.py, hf: transformers' module forward) (blocks interleaved) and for Hugging Face "
+        "kvlab/engine/lean_forward.py, hf: transformers' module forward) x attention kernel (this: this checkout's"
+        f"{'; ' + args.kernel_baseline + ': that revision' if args.kernel_baseline else ''}) (blocks interleaved) "
+        "and for Hugging Face "
         "`generate` (its default sdpa attention and dynamic cache; int4: its quantised cache, quanto, 4 bits). "
         "Bytes per step = unique weights + the batch's cached K/V at the format's size (mean context over the "
         "block); 'of roof' = (bytes / step time) / the streaming roof measured just before the cell. 'K/V GB/s': "
-        f"extra K/V bytes over extra time against the row's shortest context. Block size {args.block_size}; cells "
+        "extra K/V bytes over extra time against the row's shortest context; 'attention ms': a step's wall time in "
+        "the CPU attention launcher (all layers), 'attention K/V of roof': K/V bytes over that time / the roof. "
+        f"Block size {args.block_size}; cells "
         f"with batch x context > {args.max_prompt_tokens} skipped (prefill time).", "",
         table(rows, COLUMNS), ""])
 
@@ -260,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--forwards", nargs="+", default=["lean"], choices=["lean", "hf"],
                    help="kvlab's forward: lean (kvlab/engine/lean_forward.py, where the model takes it) or "
                         "transformers' module forward, interleaved per block")
+    p.add_argument("--kernel-baseline", default=None,
+                   help="git revision whose CPU decode-attention kernel takes turns with this checkout's, per block")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per layout (and for HF)")
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the first timed block")

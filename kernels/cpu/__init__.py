@@ -4,6 +4,8 @@
     decode_attention.py   its launcher (same signature as the torch reference; falls back to it)
     linear.cpp            small-batch linear layer: packed 64-row weight blocks, each read once for the batch
     linear.py             its launcher and weight packing (falls back to F.linear)
+    layer_ops.cpp         RMSNorm (+ residual add) and RoPE of the lean forward, torch's bits in one call each
+    layer_ops.py          its launcher and the torch references (falls back to them)
     build.py              compile into ~/.cache/kvlab/cpu_kernels (keyed by source hash), load, or warn once
 
 `kvlab.kernels.ops` runs it for CPU tensors under the `auto` backend; KVLAB_CPU_KERNELS=0 or the `torch`

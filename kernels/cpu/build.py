@@ -8,6 +8,7 @@ building at once never load a half-written library.
 
     lib = load_library()   # ctypes.CDLL, or None (one warning) when no compiler or the build fails
     lib = load_linear_library()   # the same for linear.cpp (needs AVX-512: elsewhere the build fails, one warning)
+    lib = load_layer_ops_library()   # the same for layer_ops.cpp (the lean forward's RMSNorm and RoPE)
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 ABI_VERSION = 4  # kvlab_abi_version() of decode_attention.cpp
 LINEAR_SOURCE = Path(__file__).with_name("linear.cpp")
 LINEAR_ABI_VERSION = 2  # kvlab_linear_abi_version() of linear.cpp
+LAYER_OPS_SOURCE = Path(__file__).with_name("layer_ops.cpp")
+LAYER_OPS_ABI_VERSION = 1  # kvlab_layer_ops_abi_version() of layer_ops.cpp
+EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # per source stem: layer_ops.cpp keeps torch's separate roundings
 
 
 def cache_dir() -> Path:
@@ -54,11 +58,16 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
+def flags_for(source: Path) -> tuple[str, ...]:
+    """The compiler flags of `source`: FLAGS, then its own (EXTRA_FLAGS)."""
+    return (*FLAGS, *EXTRA_FLAGS.get(source.stem, ()))
+
+
 def library_path(cxx: str, source: Path | None = None) -> Path:
     """Where `source` (default SOURCE, read at call time) compiled by `cxx` lives in the cache folder."""
     source = SOURCE if source is None else source
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(flags_for(source)).encode(), _compiler_version(cxx).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
@@ -72,7 +81,7 @@ def build(cxx: str, target: Path, source: Path | None = None) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *flags_for(source), "-o", tmp, str(source)], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed on {source.name}:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
@@ -91,6 +100,13 @@ def load_library() -> ctypes.CDLL | None:
 def load_linear_library() -> ctypes.CDLL | None:
     """The compiled small-batch linear kernel (linear.cpp), or None after one warning."""
     return load_source(LINEAR_SOURCE, LINEAR_ABI_VERSION, "kvlab_linear_abi_version", "CPU linear layers run")
+
+
+@lru_cache(maxsize=None)
+def load_layer_ops_library() -> ctypes.CDLL | None:
+    """The compiled element-wise layer ops (layer_ops.cpp), or None after one warning."""
+    return load_source(LAYER_OPS_SOURCE, LAYER_OPS_ABI_VERSION, "kvlab_layer_ops_abi_version",
+                       "the lean forward's norms and rotary embedding run")
 
 
 def load_source(source: Path, abi_version: int, abi_symbol: str, what: str) -> ctypes.CDLL | None:

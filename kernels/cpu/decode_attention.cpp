@@ -12,7 +12,8 @@
 // The G query heads of a KV head share each decoded K/V row (GQA). With AVX-512 and head_dim 64 / 128 / 256
 // the vector path runs (attend_unit_vec): a tile's keys scored 16 at a time with one transposing reduction,
 // the G heads' value sums accumulated together, fp32 / bf16 / fp16 pools read in place (bf16 widened in
-// registers), the next tile's K/V slots prefetched while this one is computed; otherwise the portable path.
+// registers), the next tile's K/V slots prefetched (into L2) while this one is computed, the online softmax of a
+// tile held in registers (softmax_tile_vec); otherwise the portable path.
 // Attention statistics (optional): each row's scaled scores kept, then exp(s - max) / sum per key, over G heads.
 //
 // Storage read in-register (decoded a head row of D channels at a time into an L1 buffer):
@@ -458,12 +459,20 @@ inline const char* slot_bytes(const Side& s, int64_t page, int pos, int page_siz
     return (const char*)s.data + (page * page_size + pos) * per_slot;
 }
 
-// A cache line prefetched into L1. Not __builtin_prefetch (nor _mm_prefetch, built on it): GCC finds the
+// A cache line prefetched into L2 (prefetcht2; KVLAB_PF_INSN overrides, KVLAB_NO_PF turns prefetching off). Into L1
+// (prefetcht0) the tile's burst of lines waits on the core's few L1 miss buffers and the kernel stalls on its own
+// prefetches (58% of the unit's samples at 16 x 4096 fp32, q_len 1); into L2 the same bits came 1.5-1.7x faster
+// (fp32 / bf16, q_len 1 and 5). Not __builtin_prefetch (nor _mm_prefetch, built on it): GCC finds the
 // functions that only prefetch free of side effects and drops every call to them (the kernel's first version
 // issued no prefetch at all); a volatile asm stays.
+#ifndef KVLAB_PF_INSN
+#define KVLAB_PF_INSN "prefetcht2"
+#endif
 inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-    asm volatile("prefetcht0 %0" : : "m"(*p));
+#if defined(KVLAB_NO_PF)
+    (void)p;
+#elif defined(__x86_64__)
+    asm volatile(KVLAB_PF_INSN " %0" : : "m"(*p));
 #else
     __builtin_prefetch(p, 0, 3);
 #endif
@@ -736,6 +745,52 @@ inline void score_dp(const uint16_t* q, int G, int D, const void* const* rows, i
 }
 #endif
 
+// softmax_tile on the vector path, the tile's scores held in registers: sg [TILE] raw scores (lanes past n: any
+// finite or not), `vis` bit i set for the keys the row sees (in range, causal, page not released; the rest score
+// -inf). The same operations in the same order as softmax_tile after its masking loops, so the same bits, without
+// their stores and the reloads behind them (a masked load cannot take its data from a store still in flight).
+inline bool softmax_tile_vec(const Args& a, float* sg, int n, uint64_t vis, float* m, float* l, float* acc, int D,
+                             float* raw, int raw_n) {
+    static_assert(TILE % 16 == 0 && TILE <= 64, "a tile's visibility is a 64-bit mask");
+    constexpr int NV = TILE / 16;
+    if (a.softcap > 0.f)  // s = cap * tanh(s * scale / cap) (Gemma 2); invisible keys are masked below
+        for (int i = 0; i < n; ++i) sg[i] = a.softcap * std::tanh(sg[i] * a.scale / a.softcap);
+    const __m512 sc = _mm512_set1_ps(a.softcap > 0.f ? 1.f : a.scale), ninf = _mm512_set1_ps(NEG_INF);
+    __m512 x[NV];  // [TILE] scaled scores, -inf where not visible
+    __m512 mx = _mm512_set1_ps(*m);
+    for (int v = 0; v < NV; ++v) {
+        x[v] = _mm512_mask_mov_ps(ninf, __mmask16(vis >> (16 * v)), _mm512_mul_ps(_mm512_loadu_ps(sg + 16 * v), sc));
+        mx = _mm512_max_ps(mx, x[v]);
+    }
+    const float mt = _mm512_reduce_max_ps(mx);
+    if (raw)
+        for (int v = 0; v < NV && 16 * v < raw_n; ++v)
+            _mm512_mask_storeu_ps(raw + 16 * v, raw_n - 16 * v >= 16 ? __mmask16(0xffff)
+                                                                    : __mmask16((1u << (raw_n - 16 * v)) - 1), x[v]);
+    if (mt == NEG_INF) {
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sg + 16 * v, _mm512_setzero_ps());
+        return false;
+    }
+    if (mt != *m) {  // softmax_tile's alpha; when the max stays, exp(0) = 1 and it rescales nothing
+        const float alpha = std::exp(*m - mt);
+        if (alpha != 1.f) {
+            const __m512 av = _mm512_set1_ps(alpha);
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), av));
+            *l *= alpha;
+        }
+    }
+    const __m512 mv = _mm512_set1_ps(mt);
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+        const __m512 y = exp_neg(_mm512_sub_ps(x[v], mv));  // invisible keys: 0
+        _mm512_storeu_ps(sg + 16 * v, y);
+        sum = _mm512_add_ps(sum, y);
+    }
+    *l += _mm512_reduce_add_ps(sum);
+    *m = mt;
+    return true;
+}
+
 // How a side is read in registers (its Src), or -1: decoded into a float32 buffer first (KIVI codes, fp8 of an
 // unknown encoding).
 inline int register_src(const Side& s) {
@@ -836,7 +891,7 @@ void attend_unit_vec(const Args& a, const int* rb, int nr, int lo, const int* hi
     for (int h = 0; h < 2 * Hkv; ++h) *(int64_t*)(ktmp + h * tmp_len + 2 * D) = -1;
     std::memset(zeros, 0, sizeof(float) * D);
     const void* rows[TILE];
-    float ksc[TILE], vsc[TILE];
+    float ksc[TILE] = {}, vsc[TILE] = {};
     int64_t pages[TILE];
     int pos_of[TILE];
 #if defined(__AVX512BF16__)
@@ -877,9 +932,11 @@ void attend_unit_vec(const Args& a, const int* rb, int nr, int lo, const int* hi
         // head's scores and values (in one burst they fill the miss queue and the loads of this tile wait behind it)
         const int pf_base = j0 + KVLAB_PREFETCH_AHEAD * TILE;
         prefetch_to(pf_base);
+        uint64_t live = 0;  // bit i: key i of the tile is in the row's range and its page not released
         for (int i = 0; i < n; ++i) {
             pos_of[i] = pos;
             pages[i] = table[col];
+            live |= uint64_t(pages[i] >= 0) << i;
             if (++pos == a.page) { pos = 0; ++col; }
         }
         // this tile's sources: in registers where every key is read from its codes (or the pool's values)
@@ -908,20 +965,19 @@ void attend_unit_vec(const Args& a, const int* rb, int nr, int lo, const int* hi
             else
 #endif
                 score(ks >= 0 ? ks : F32, qg + size_t(h * GG) * D, GG, D, rows, n, sh);  // decoded rows: F32
-            if (k_scaled)
+            if (k_scaled)  // a K row's scale onto its scores (lanes past n: ksc 0)
                 for (int g = 0; g < GG; ++g)
-                    for (int i = 0; i < n; ++i) sh[g * TILE + i] *= ksc[i];
-            for (int i = 0; i < n; ++i)
-                if (pages[i] < 0)  // released page: never attended to
-                    for (int g = 0; g < GG; ++g) sh[g * TILE + i] = NEG_INF;
+                    for (int v = 0; v < TILE / 16; ++v)
+                        _mm512_storeu_ps(sh + g * TILE + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(sh + g * TILE + 16 * v),
+                                                                                _mm512_loadu_ps(ksc + 16 * v)));
             bool any = false;
             for (int r = 0; r < nr; ++r) {
-                const int nv = std::min(n, his[r] - j0);  // keys of the tile row r sees (its causal limit)
+                const int nv = std::max(0, std::min(n, his[r] - j0));  // keys of the tile row r sees (its causal limit)
+                const uint64_t vis = live & (nv >= 64 ? ~uint64_t(0) : (uint64_t(1) << nv) - 1);
                 for (int g = r * G; g < (r + 1) * G; ++g) {
-                    for (int i = std::max(nv, 0); i < n; ++i) sh[g * TILE + i] = NEG_INF;
                     const int hk = h * GG + g;
                     float* raw = nv > 0 ? raw_at(a, rb[r], h * G + g - r * G, j0) : nullptr;
-                    any |= softmax_tile(a, sh + g * TILE, n, m + hk, l + hk, acc + size_t(hk) * D, D, raw, nv);
+                    any |= softmax_tile_vec(a, sh + g * TILE, n, vis, m + hk, l + hk, acc + size_t(hk) * D, D, raw, nv);
                 }
             }
             prefetch_to(pf_base + (2 * h + 2) * TILE / (2 * Hkv));
@@ -941,7 +997,9 @@ void attend_unit_vec(const Args& a, const int* rb, int nr, int lo, const int* hi
             const float* w = sh;
             if (v_scaled) {  // a V row's scale moves onto its weight
                 for (int g = 0; g < GG; ++g)
-                    for (int i = 0; i < n; ++i) ws[g * TILE + i] = sh[g * TILE + i] * vsc[i];
+                    for (int v = 0; v < TILE / 16; ++v)
+                        _mm512_storeu_ps(ws + g * TILE + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(sh + g * TILE + 16 * v),
+                                                                                _mm512_loadu_ps(vsc + 16 * v)));
                 w = ws;
             }
             accumulate_src(vs >= 0 ? vs : F32, acc + size_t(h * GG) * D, GG, D, w, rows, n);

@@ -9,7 +9,9 @@ by every row of the batch (in tiles of 6 rows, each tile summing in the same ord
 with VDPBF16PS. Larger passes (long prefill chunks) stay on torch.
 The packed copy is held beside the original weight (prefill, the tied embedding and anything that reads
 the module's weight keep the original): the backend costs one more copy of the linear weights in memory.
-With `torch` (the default) the model's modules are untouched.
+With `torch` (the default) the model's modules are untouched. `auto` is `cpu` for a model on the CPU and `torch`
+elsewhere; where the kernel cannot run (no compiler or AVX-512: one warning; other dtypes) the layers stay on torch
+either way.
 
 Both layouts of kvlab/engine/linear_layout.py take it: a plain `nn.Linear` is replaced by a `SmallBatchLinear`
 holding the same weight, a fused product (`FusedProduct`) gets the kernel as its matrix product.
@@ -33,7 +35,7 @@ from torch import nn
 from kvlab.engine.linear_layout import FusedPart, LinearLayout, apply_linear_layout, rewired
 from kvlab.kernels.cpu import linear as cpu_linear
 
-LinearBackend = Literal["torch", "cpu"]
+LinearBackend = Literal["auto", "torch", "cpu"]
 MAX_ROWS = 256  # passes of at most this many rows run the kernel (decode, verification); larger ones torch (prefill)
 # 256 = batch 32 x (k + 1 = 8). On SmolLM2's fp32 shapes (1 thread, load ~6) the kernel took 0.37-0.5 of
 # F.linear's time at 32-256 rows (experiments/results/linear_verification_rows_smollm2.md); longer prefill chunks
@@ -80,8 +82,9 @@ class SmallBatchLinear(nn.Module):
 def apply_linear_backend(model: nn.Module, backend: LinearBackend, max_rows: int | None = MAX_ROWS) -> int:
     """Route `model`'s linear layers through `backend` (in place; `torch` undoes `cpu`); returns how many
     products run on the kernel now. Apply the layout first (apply_linear: a wrapped layer is not fused)."""
-    if backend not in ("torch", "cpu"):
-        raise ValueError(f"linear_backend {backend!r}: choose 'torch' or 'cpu'")
+    if backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"linear_backend {backend!r}: choose 'auto', 'torch' or 'cpu'")
+    backend = resolve(model, backend)
     rewired(model)
     restore(model)
     if backend == "torch":
@@ -98,6 +101,13 @@ def apply_linear_backend(model: nn.Module, backend: LinearBackend, max_rows: int
                 child.product.matmul = SmallBatchProduct(child.product.weight, max_rows)
                 count += 1
     return count
+
+
+def resolve(model: nn.Module, backend: LinearBackend) -> Literal["torch", "cpu"]:
+    """`auto`: `cpu` when the model's parameters are on the CPU, else `torch`; the others as they are."""
+    if backend != "auto":
+        return backend
+    return "cpu" if all(p.device.type == "cpu" for p in model.parameters()) else "torch"
 
 
 def restore(model: nn.Module) -> None:

@@ -6,6 +6,8 @@ forward, in fp32 and bf16, with either weight layout and either linear backend; 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -72,3 +74,25 @@ def test_a_later_layout_or_backend_is_followed(fresh_model, monkeypatch):
     lb.apply_linear(llm.engine.model, "auto", "cpu")
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert llm.engine.model.config.intermediate_size in seen  # the layers' down_proj ran the kernel (not only lm_head)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_norms_and_rope_run_the_layer_kernels(fresh_model, monkeypatch, dtype):
+    """Every norm (the residual add fused into all but the first) and every RoPE of a step is one call of
+    kernels/cpu/layer_ops.cpp, so the bitwise test above covers the kernels' bits in the engine."""
+    from kvlab.kernels.cpu import layer_ops
+
+    if not layer_ops.available():
+        pytest.skip("no layer kernels here (no compiler / AVX-512): the lean forward runs torch's ops")
+    llm = LLM("random:llama-tiny", loaded=fresh_model("random:llama-tiny"), dtype=dtype, kv_cache_memory="4MiB")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))  # the kernels' probes (agrees) run
+    calls = []
+    for name in ("_norm", "_rope"):
+        real = getattr(layer_ops, name)
+        monkeypatch.setattr(layer_ops, name, lambda *a, _real=real, _name=name: calls.append((_name, a[1] is None))
+                            or _real(*a))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    layers, forwards = llm.engine.model.config.num_hidden_layers, 2  # the prefill and one decode step
+    ropes = layers if llm.engine.config.linear_layout == "auto" else 2 * layers  # q and k as one tensor, or apart
+    want = {("_norm", True): 1, ("_norm", False): 2 * layers, ("_rope", False): ropes}  # per forward
+    assert Counter(calls) == {k: forwards * n for k, n in want.items()}

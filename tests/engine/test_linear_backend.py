@@ -109,8 +109,20 @@ def test_the_option_is_validated():
     assert "use linear_backend='torch'" in linear_backend_problem("cpu", "cuda:0")
     with pytest.raises(EngineOptionError, match="linear_backend"):
         LLM("random:llama-tiny", kv_cache_memory="4MiB", linear_backend="mkl")
-    with pytest.raises(ValueError, match="choose 'torch' or 'cpu'"):
+    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'cpu'"):
         lb.apply_linear_backend(torch.nn.Sequential(), "mkl")
+    assert linear_backend_problem("auto", "cuda:0") is None
+
+
+def test_auto_is_the_kernel_on_the_cpu_and_torch_elsewhere(fresh_model):
+    """`auto` runs the kernel for a CPU model (where it builds) and leaves a model elsewhere (here a meta-device
+    stand-in for an accelerator's) on torch."""
+    llm = LLM("random:llama-tiny", loaded=fresh_model("random:llama-tiny"), kv_cache_memory="4MiB",
+              linear_backend="auto")
+    assert lb.backend_of(llm.engine.model) == ("cpu" if cpu_linear.available() else "torch")
+    elsewhere = torch.nn.Sequential(torch.nn.Linear(64, 64, device="meta"))
+    assert lb.resolve(elsewhere, "auto") == "torch" and lb.apply_linear_backend(elsewhere, "auto") == 0
+    assert type(elsewhere[0]) is torch.nn.Linear
 
 
 @pytest.mark.model

@@ -60,3 +60,33 @@ def test_the_linear_layout_benchmark_times_every_group_both_ways(tmp_path):
         assert r["speedup"] == pytest.approx(r["separate_us"] / r["fused_us"])
         weight = int(r["shape"].split(" x ")[0]) * 64 * 4
         assert r["fused_gb_s"] == pytest.approx(weight / r["fused_us"] / 1e3)
+
+
+def test_a_baseline_kernel_takes_turns_and_the_attention_time_is_read_per_step(tmp_path, monkeypatch):
+    """--kernel-baseline: that revision's kernel runs the attention of every other block (and only those), each
+    row quotes the step's time in the attention launcher and the K/V bytes over it."""
+    import bench_decode_roof
+    from kvlab.kernels.cpu import decode_attention as cpu
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler: the CPU kernels fall back")
+    calls = []
+
+    def counting_kernel_at(rev):
+        real = cpu._kernel()
+        return lambda *a: calls.append(rev) or real(*a)
+
+    monkeypatch.setattr(bench_decode_roof, "kernel_at", counting_kernel_at)
+    out = tmp_path / "roof"
+    _, rows = bench_decode_roof.main(["--model", "random:llama-tiny", "--batches", "2", "--contexts", "8", "--dtypes",
+                                      "float32", "--quants", "auto", "--layouts", "auto", "--steps", "2", "--repeats",
+                                      "2", "--warmup", "1", "--roof-mib", "8", "--no-hf", "--kernel-baseline", "HEAD",
+                                      "--out", str(out)])
+    assert cpu._kernel is not None and hasattr(cpu._kernel, "cache_info")  # its own kernel again afterwards
+    assert len(calls) == 2 * 2 * 2  # 2 layers x 2 steps x the 2 baseline blocks (blocks 1 and 3)
+    assert [r["kernel"] for r in rows] == ["this", "HEAD"]
+    for r in rows:
+        assert len(r["attn_s"]) == 2 and r["attn_ms"] == pytest.approx(1e3 * statistics.median(r["attn_s"]))
+        assert 0 < r["attn_ms"] < r["step_ms"]
+        assert r["attn_roof_fraction"] == pytest.approx(r["kv_bytes"] / (r["attn_ms"] / 1e3) / (r["roof_gb_s"] * 1e9))
+    assert "| attention kernel |" in out.with_suffix(".md").read_text()
