@@ -23,7 +23,13 @@ there (no prefix sharing in a draft pool): they run only while that copy fits `-
 
 The prediction is S = E * T(B, c) / (k * D(B, c) + T(B, c + k)) with the measured tokens per verification E, drafted
 tokens per verification k, and c = prompt + max_tokens / 2, corrected for the steps that verified nothing
-(`run_speedup`); `KV/W` is the target pass's KV bytes over its weight bytes.
+(`run_speedup`); `KV/W` is the target pass's KV bytes over its weight bytes. Beside it, `predicted (bytes +
+compute)` prices each pass in seconds (`PassTimes`, `timed_speedup`): the plain engine's step parts measured by
+one run with timers (linear, attention, per-pass and per-step overhead), a draft pass's linear and attention parts
+scaled by its weight and KV bytes over the target's, a verification's by its linear and attention costs over a
+decode pass's measured at start-up (kvlab/speculation/pass_costs.py: k + 1 queries a sequence, B (k + 1) rows),
+and a copied view's refresh time as the draft measured it. `--profile` adds one run of every engine with timers
+around its parts: the cell file's `profile`, and a table of ms per step by part (kvlab/study/round_profile.py).
 
     python experiments/bench_self_speculation_regime.py --cell fp32,4096,16 --threads 2   # one cell -> <out>.cells/
     python experiments/bench_self_speculation_regime.py --all --contexts 4096 7168 --batches 16 32
@@ -35,6 +41,7 @@ tokens per verification k, and c = prompt + max_tokens / 2, corrected for the st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -49,13 +56,16 @@ from kvlab.study.bench_io import commit_line, load_average, log, metadata, table
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("draft", "draft"),
            ("kv_over_weights", "KV/W"), ("plain_tok_s", "plain decode tok/s"), ("spec_tok_s", "draft decode tok/s"),
-           ("speedup", "measured speed-up"), ("predicted", "predicted (memory traffic)"),
+           ("speedup", "measured speed-up"), ("predicted_time", "predicted (bytes + compute)"),
+           ("predicted", "predicted (memory traffic)"),
            ("acceptance", "acceptance a"), ("accepted_len", "tokens per verification"),
            ("drafted_len", "drafted per verification"), ("identical", "outputs identical"), ("load", "load 1-min")]
 HF_COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("hf", "Hugging Face generate"),
               ("tok_s", "decode tok/s"), ("speedup", "speed-up vs HF plain"), ("vs_kvlab", "tok/s / kvlab plain"),
               ("identical", "output = kvlab plain"), ("load", "load 1-min")]
-DRAFT_CHOICES = ("streaming", "snapkv", "int4", "layerskip", "model", "ngram", "hf_early_exit", "hf_prompt_lookup")
+DRAFT_CHOICES = ("streaming", "snapkv", "int4", "layerskip", "model", "ngram", "hf_early_exit", "hf_prompt_lookup",
+                 "streaming_k2", "streaming_k3", "streaming_adaptive")  # the last three: the page view with k = 2,
+# k = 3, or an adaptive length (from --num-tokens, up to 8: kvlab/speculation/draft_length.py), in one cell
 OWN_POOL = ("layerskip", "model")  # drafts whose KV lives in a pool of their own (a copy of each context)
 
 
@@ -66,10 +76,17 @@ def draft_spec(args, key: str) -> tuple[str, str, dict]:
     if key == "streaming":
         return (f"self_compressed(streaming_llm {args.budget})", "self_compressed",
                 {**view, "policy": "streaming_llm", "policy_args": {"budget": args.budget}})
+    if key.startswith("streaming_"):
+        label, name, dargs = draft_spec(args, "streaming")
+        if key == "streaming_adaptive":
+            return f"{label}, adaptive from {k}", name, {**dargs, "adaptive": True}
+        k = int(key.removeprefix("streaming_k"))
+        return f"{label}, k = {k}", name, {**dargs, "num_tokens": k}
     if key == "snapkv":
-        return (f"self_compressed(snapkv {args.snapkv_budget}, refresh {args.snapkv_refresh})", "self_compressed",
+        return (f"self_compressed(snapkv {args.snapkv_budget}, refresh {args.snapkv_refresh}"
+                f"{', rescore all' if args.snapkv_rescore == 'all' else ''})", "self_compressed",
                 {**view, "policy": "snapkv", "policy_args": {"budget": args.snapkv_budget, "window_size": 16},
-                 "refresh": args.snapkv_refresh})
+                 "refresh": args.snapkv_refresh, **({"rescore": "all"} if args.snapkv_rescore == "all" else {})})
     if key == "int4":
         return (f"self_compressed(streaming_llm {args.int4_budget}, int4, refresh {args.refresh})", "self_compressed",
                 {**view, "policy": "streaming_llm", "policy_args": {"budget": args.int4_budget}, "quant": "int4",
@@ -156,8 +173,8 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
 
     from kvlab import LLM, SamplingParams
     from kvlab.models import load_model
-    from kvlab.speculation.cost_model import run_speedup
-    from kvlab.speculation.engine_traffic import draft_pass, target_traffic
+    from kvlab.speculation.cost_model import run_speedup, timed_speedup
+    from kvlab.speculation.engine_traffic import draft_pass, draft_shares, target_traffic
 
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
@@ -212,20 +229,25 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
                                 "speedup": sp["decode_tok_s"] / base["decode_tok_s"],
                                 "acceptance": sp["spec_acceptance_rate"], "accepted_len": sp["spec_mean_accepted_length"],
                                 "verifications": sp["spec_verifications"], "drafted": sp["spec_drafted_tokens"],
+                                "refresh_s": sp.get("spec_view_refresh_s", 0.0),
                                 "identical": out == base_out})
             log(f"cell {dtype},{ctx},{batch} round {r}: plain {base['decode_tok_s']:.2f} tok/s, {label} "
                 f"{sp['decode_tok_s']:.2f} tok/s, a={sp['spec_acceptance_rate']:.2f}, identical {out == base_out}")
         partial = cell_file(args, dtype, ctx, batch).with_suffix(".partial")  # the rounds so far, should a cell
         partial.parent.mkdir(parents=True, exist_ok=True)  # be stopped before its end (removed at the end)
         partial.write_text(json.dumps({"rounds": r + 1, "runs": runs, "load": os.getloadavg()[0]}, indent=1))
+    profile = profile_engines(args, [("plain", plain)] + specs, ps) if args.profile else None
     target = target_traffic(plain.engine)
     c = prompt + args.max_tokens / 2
+    times = calibrate(args, loaded.model, plain, ps, batch, int(c), profile) if specs and args.repeats else None
     t_plain = target.pass_bytes(batch, c)
     load_end = os.getloadavg()[0]
     load = f"{load_start:.1f}/{load_end:.1f}"
     rows = []
     for label, llm in specs:
         rs = runs[label]
+        if not rs:
+            continue
         row = {"dtype": dtype, "ctx": ctx, "batch": batch, "draft": label, "runs": rs, "load": load,
                "kv_over_weights": batch * target.kv_bytes(c) / target.weight_bytes(),
                "identical": "yes" if all(x["identical"] for x in rs) else "NO"}
@@ -239,8 +261,15 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
         row["drafted_len"] = k
         row["predicted"] = run_speedup(t_plain, target.pass_bytes(batch, c + k), draft_pass(llm.engine)(batch, c), k,
                                        emitted, share) if last["verifications"] else 1.0
+        shares = draft_shares(llm.engine, batch, c)
+        rounds = max(last["verifications"] / batch, 1.0)  # speculative steps (each verifies the batch)
+        row["pass_times"] = dataclasses.asdict(times(k))
+        row["predicted_time"] = timed_speedup(
+            times(k), *(shares or (0.0, 0.0)), target.kv_bytes(c + k) / target.kv_bytes(c), k if shares else 0.0,
+            emitted, share, last.get("refresh_s", 0.0) / rounds) if last["verifications"] else 1.0
         rows.append(row)
-    plain_tok_s = statistics.median(r["plain_tok_s"] for r in next(iter(runs.values()))) if runs else None
+    plain_tok_s = statistics.median(r["plain_tok_s"] for r in next(iter(runs.values()))) if args.repeats and runs \
+        else None
     hf_keys = [k for k in args.drafts if k.startswith("hf_")]
     hf = []
     if hf_keys and batch == 1:
@@ -250,10 +279,77 @@ def run_cell(args, dtype: str, ctx: int, batch: int) -> dict:
             row["load"] = f"{load_end:.1f}/{os.getloadavg()[0]:.1f}"
     from kvlab.engine.linear_backend import backend_of
 
-    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": hf, "skipped": skipped,
+    return {"dtype": dtype, "ctx": ctx, "batch": batch, "rows": rows, "hf": hf, "skipped": skipped, "profile": profile,
+            "pass_times": {q: dataclasses.asdict(t) for q, t in times.made.items()} if times else None,
             "linear_backend": backend_of(loaded.model),
             "prompt_tokens": prompt, "workload": args.workload, "prefix_hit_rate_tokens": hit,
             "weight_bytes": target.weight_bytes(), "kv_bytes_per_token": sum(target.kv_bytes_per_token)}
+
+
+def profile_engines(args, engines, ps) -> list[dict]:
+    """One timed run of each engine with timers around its parts (kvlab/study/round_profile.py): ms per decode
+    step (a speculative round), per part; steps and tokens emitted."""
+    from kvlab.study.round_profile import instrument
+
+    rows = []
+    for label, llm in engines:
+        timers = instrument(llm.engine)
+        try:
+            stats, _ = timed(llm, ps, args.max_tokens)
+        finally:
+            timers.remove()
+        ms = timers.ms_per_step()
+        tokens = len(ps) * (args.max_tokens - 1)
+        rows.append({"engine": label, "steps": timers.steps, "ms": ms, "decode_tok_s": stats["decode_tok_s"],
+                     "ms_per_token": ms["step"] * timers.steps / tokens * len(ps),
+                     "accepted_len": stats.get("spec_mean_accepted_length")})
+        log(f"profile {label}: {timers.steps} decode steps, {ms['step']:.1f} ms a step: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if v >= 0.5))
+    return rows
+
+
+def calibrate(args, model, plain, ps, batch: int, context: int, profile):
+    """The cost model's compute side (kvlab/speculation/cost_model.py PassTimes): the plain engine's step parts
+    (its --profile run, else one timed run with timers), and the verification pass's attention and linear costs
+    over a decode pass's, measured now (kvlab/speculation/pass_costs.py)."""
+    from kvlab.speculation.pass_costs import pass_times, verify_attention_ratio, verify_linear_ratio
+
+    parts = (profile or profile_engines(args, [("plain", plain)], ps))[0]["ms"]
+    mc = model.config
+    dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    made = {}
+
+    def times(k: float):
+        """PassTimes for verifications of k drafts a sequence (k rounded: the chunk's queries)."""
+        q = max(2, round(k) + 1)
+        if q not in made:
+            attention = verify_attention_ratio(batch, context, q, mc.num_attention_heads, mc.num_key_value_heads,
+                                               dim, dtype)
+            made[q] = pass_times(parts, attention, verify_linear_ratio(model, batch, batch * q))
+            t = made[q]
+            log(f"calibration: plain step {1e3 * t.plain():.1f} ms (linear {1e3 * t.linear_s:.1f}, attention "
+                f"{1e3 * t.attention_s:.1f}, per pass {1e3 * t.pass_overhead_s:.1f}, per step "
+                f"{1e3 * t.step_overhead_s:.1f}); a verification of {q} queries a sequence over a decode pass: "
+                f"attention x{t.verify_attention:.2f}, linear x{t.verify_linear:.2f}")
+        return made[q]
+
+    times.made = made
+    return times
+
+
+def profile_table(profile: list[dict]) -> str:
+    """The profile's parts (rows) by engine (columns), ms per decode step; then steps, ms per token, tok/s."""
+    from kvlab.study.round_profile import PARTS
+
+    cols = [("part", "part")] + [(str(i), p["engine"]) for i, p in enumerate(profile)]
+    keys = ["step", "draft: total", *PARTS]
+    rows = [{"part": k, **{str(i): p["ms"].get(k, 0.0) for i, p in enumerate(profile)}} for k in keys]
+    rows += [{"part": "decode steps", **{str(i): p["steps"] for i, p in enumerate(profile)}},
+             {"part": "tokens per verification", **{str(i): p["accepted_len"] for i, p in enumerate(profile)}},
+             {"part": "ms per output token (one sequence)", **{str(i): p["ms_per_token"] for i, p in enumerate(profile)}},
+             {"part": "decode tok/s (this run)", **{str(i): p["decode_tok_s"] for i, p in enumerate(profile)}}]
+    return "ms per decode step (a speculative round) by part:\n\n" + table(rows, cols)
 
 
 def hf_rows(args, dtype: str, ctx: int, prompt: list[int], kvlab_out, keys, kvlab_tok_s) -> list[dict]:
@@ -322,7 +418,7 @@ def passthrough(args) -> list[str]:
     out = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
            "--num-tokens", str(args.num_tokens), "--budget", str(args.budget), "--threads", str(args.threads),
            "--snapkv-budget", str(args.snapkv_budget), "--int4-budget", str(args.int4_budget),
-           "--refresh", str(args.refresh), "--snapkv-refresh", str(args.snapkv_refresh), "--layers", str(args.layers), "--workload", args.workload,
+           "--refresh", str(args.refresh), "--snapkv-refresh", str(args.snapkv_refresh), "--snapkv-rescore", args.snapkv_rescore, "--layers", str(args.layers), "--workload", args.workload,
            "--suffix", str(args.suffix), "--linear-backend", args.linear_backend,
            "--own-pool-gib", str(args.own_pool_gib), "--max-batched-tokens", str(args.max_batched_tokens),
            "--out", args.out, "--drafts", *args.drafts]
@@ -402,9 +498,11 @@ def aggregate(args) -> str:
            "cell, and tok/s over kvlab's plain decoding of that cell:", "", table(hf, HF_COLUMNS), ""] if hf else []),
         *([f"Not run (a draft pool of their own would hold every full context): {'; '.join(skipped)}.", ""]
           if skipped else []),
-        "The prediction counts bytes only (weights once a pass, each sequence's KV per layer; the view's tokens for "
-        "the self_compressed draft, in the copy's format for int4; nothing for ngram). Compute, Python overhead per "
-        "pass and caches are not in it.", "",
+        "The memory-traffic prediction counts bytes only (weights once a pass, each sequence's KV per layer; the "
+        "view's tokens for the self_compressed draft, in the copy's format for int4; nothing for ngram). The bytes + "
+        "compute one prices each pass in seconds from the plain engine's measured step parts, the verification "
+        "pass's measured attention and linear costs over a decode pass's, and the view's measured refresh time "
+        "(the script's docstring).", "",
         *([f"Outputs not identical (NO) in bf16 rows: a verification pass (k + 1 rows a sequence) rounds "
            f"differently from a plain one-row pass, and a bf16 cache stores those last bits: the declared deviation "
            f"'a rounding format under a changing schedule' (docs/design.md); batch_invariant=True makes it exact, "
@@ -429,6 +527,8 @@ def main(argv=None) -> dict | None:
         from kvlab.study.loggers.local import to_json
 
         path.write_text(json.dumps(to_json(result), indent=2))
+        if result.get("profile"):
+            print(profile_table(result["profile"]))
         path.with_suffix(".partial").unlink(missing_ok=True)
         log(f"wrote {path}")
         return result
@@ -463,12 +563,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--snapkv-refresh", type=int, default=8,
                    help="the SnapKV view is reselected every this many tokens: its 16 query rows before the refresh "
                         "point must have been computed, not prefix hits (after the prompt's cached pages)")
+    p.add_argument("--snapkv-rescore", choices=["kept", "all"], default="kept",
+                   help="what a SnapKV refresh scores: the kept set and the tokens since (kept) or all of [0, P)")
     p.add_argument("--layers", type=int, default=24, help="layerskip's (and HF assistant_early_exit's) exit layer")
     p.add_argument("--draft-model", default=None, help="the model draft (default: --model, the suite's SmolLM2)")
     p.add_argument("--own-pool-gib", type=float, default=1.0,
                    help="run layerskip / model only where every context fits this many GiB of their own pool")
     p.add_argument("--linear-backend", choices=["cpu", "torch"], default="cpu")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed rounds, one run of each engine with timers around its parts "
+                        "(kvlab/study/round_profile.py): the cell file's `profile`, a table on stdout")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="prefill chunk cap (the reference attention's score matrix grows with the chunk)")

@@ -17,6 +17,11 @@ Weights dominate at small batch and short context: a draft is worth it only if i
 target itself through StreamingLLM's pages: `self_compressed`) costs little next to the target's pass even with
 all its weights. This ignores compute, Python overhead and caches, which on a CPU can dominate: the benchmark
 tables put it beside a measured speed-up rather than instead of one.
+
+`PassTimes` / `timed_speedup` add the compute side, in seconds: a plain pass's measured parts (linear layers,
+attention, the per-pass and per-step overheads), a verification pass's linear and attention costs over a decode
+pass's (B (k + 1) rows; k + 1 queries a sequence, which the CPU kernel scores one by one), and a copied view's
+refresh time, so a prediction can explain a measured speed-up the bytes alone do not.
 """
 
 from __future__ import annotations
@@ -84,3 +89,50 @@ def predict(target: Traffic, batch: int, context: float, k: int, acceptance: flo
     acceptance a with k drafts a step."""
     return step_speedup(target.pass_bytes(batch, context), target.pass_bytes(batch, context + k), draft_pass, k,
                         expected_accepted_length(acceptance, k))
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """The compute side the byte count omits: what one plain decode pass at (B, c) spends, by part, measured on
+    this machine (kvlab/speculation/pass_costs.py), and what a verification pass costs over it. A draft or a
+    verification pass is then priced part by part:
+
+        plain    linear + attention + pass overhead + step overhead
+        draft    linear x (its weight bytes / the target's) + attention x (its KV bytes / the target's)
+                 + pass overhead                              (a draft pass is a forward, not an engine step)
+        verify   linear x verify_linear + attention x verify_attention x (KV bytes at c + k / at c)
+                 + pass overhead + step overhead
+
+    verify_linear: linear layers at B (k + 1) rows over B rows (the weights are read once either way, the
+    multiply-adds grow); verify_attention: a (k + 1)-query chunk's attention over one query's at the same context
+    (the CPU kernel computes each query's scores, whatever the bytes): both measured at start-up."""
+
+    linear_s: float  # linear layers and the head, one plain pass (B rows)
+    attention_s: float  # attention, one plain pass (one query a sequence over c tokens)
+    pass_overhead_s: float  # the rest of a forward (norms, RoPE, the plan, Python between the ops): every pass
+    step_overhead_s: float  # the rest of an engine step (schedule, sampling, bookkeeping): once a step
+    verify_linear: float = 1.0
+    verify_attention: float = 1.0
+
+    def plain(self) -> float:
+        return self.linear_s + self.attention_s + self.pass_overhead_s + self.step_overhead_s
+
+    def draft(self, weight_share: float, kv_share: float) -> float:
+        """One draft pass reading `weight_share` of the target's weight bytes and `kv_share` of its KV bytes."""
+        return self.linear_s * weight_share + self.attention_s * kv_share + self.pass_overhead_s
+
+    def verify(self, kv_share: float = 1.0) -> float:
+        """One verification pass (`kv_share`: its KV bytes over a plain pass's, the k tentative tokens')."""
+        return (self.linear_s * self.verify_linear + self.attention_s * self.verify_attention * kv_share
+                + self.pass_overhead_s + self.step_overhead_s)
+
+
+def timed_speedup(times: PassTimes, draft_weight_share: float, draft_kv_share: float, verify_kv_share: float,
+                  drafted: float, emitted: float, verified_share: float = 1.0, round_extra_s: float = 0.0) -> float:
+    """run_speedup in seconds instead of bytes: a speculative round is `drafted` draft passes, one verification
+    and `round_extra_s` (a copied view's refresh, measured by the draft), emitting `emitted` tokens a sequence."""
+    if not 0.0 <= verified_share <= 1.0:
+        raise ValueError(f"verified_share must be in [0, 1], got {verified_share}")
+    spec_round = drafted * times.draft(draft_weight_share, draft_kv_share) + times.verify(verify_kv_share)
+    spec_per_token = verified_share * (spec_round + round_extra_s) / emitted + (1 - verified_share) * times.plain()
+    return times.plain() / spec_per_token

@@ -68,3 +68,25 @@ def draft_pass(engine) -> Callable[[int, float], float]:
         raise ValueError(f"engine_traffic: no traffic model for draft {name!r} (it has no model on a pool of its own)")
     own = model_traffic(pool.runner.model, pool.runner.cache)
     return lambda batch, context: own.pass_bytes(batch, context)
+
+
+def draft_shares(engine, batch: int, context: float) -> tuple[float, float] | None:
+    """(weight share, KV share): the bytes one draft pass reads of weights and of KV over the target pass's (at
+    `batch` sequences of `context` tokens), for the compute side of the cost model (cost_model.PassTimes); None
+    for a draft without a model (nothing to price)."""
+    draft = engine.speculator.draft if engine.speculator else None
+    name = getattr(type(draft), "registry_name", None)
+    if draft is None or name in ("ngram",):
+        return None
+    target = target_traffic(engine)
+    if name == "self_compressed":
+        copy = getattr(draft, "_copy", None)
+        read = model_traffic(engine.model, copy.cache) if copy is not None else target
+        weights, kv = read.weight_bytes(draft.layers), read.kv_bytes(context, draft.layers, view_tokens(draft)(context))
+    else:
+        pool = getattr(draft, "_pool", None)
+        if pool is None:
+            raise ValueError(f"engine_traffic: no traffic model for draft {name!r} (it has no model on a pool of its own)")
+        own = model_traffic(pool.runner.model, pool.runner.cache)
+        weights, kv = own.weight_bytes(), own.kv_bytes(context)
+    return weights / target.weight_bytes(), kv / target.kv_bytes(context)

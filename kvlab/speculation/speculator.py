@@ -37,6 +37,23 @@ from kvlab.speculation.tree_verifier import tree_depths, tree_speculative_sample
 from kvlab.speculation.verifier import acceptance_histogram, point_masses, speculative_sample
 
 
+def greedy_accept(argmax: list[int], seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+    """Greedy chains: the target's argmax after the last committed token and after each draft (k + 1 a sequence,
+    end to end) -> (drafts accepted, the token emitted after them). What `speculative_sample` gives with point
+    masses on both sides and u = 0 (accept iff the draft is the argmax; then the argmax at the first miss, or the
+    bonus one), without its [B, k + 1, V] tensors."""
+    accepted, final, offset = [], [], 0
+    for seq in seqs:
+        drafts = seq.draft_token_ids
+        a = 0
+        while a < len(drafts) and drafts[a] == argmax[offset + a]:
+            a += 1
+        accepted.append(a)
+        final.append(argmax[offset + a])
+        offset += len(drafts) + 1
+    return accepted, final
+
+
 class Speculator:
     """Drives one draft for the engine and keeps the acceptance statistics."""
 
@@ -62,6 +79,7 @@ class Speculator:
         self.tried: list[int] = []  # per draft position: verified, accepted
         self.took: list[int] = []
         self.draft_s = 0.0  # seconds spent proposing
+        self.draft.reset_stats()
 
     # -- propose ---------------------------------------------------------------
     def length(self, seq: Sequence) -> int:
@@ -172,6 +190,11 @@ class Speculator:
         ks = [len(s.draft_token_ids) for s in seqs]
         B, K, V = len(seqs), max(ks), out.logits.shape[-1]
         rows = torch.tensor([r for _, rs in verify_rows for r in rs])
+        if all(s.params.greedy for s in seqs):
+            accepted, final = greedy_accept(out.logits[rows].argmax(dim=-1).tolist(), seqs)
+            for seq in seqs:
+                self._probs.pop(seq.seq_id, None)
+            return self._accepted(seqs, ks, accepted, final)
         target = probabilities(out.logits[rows], [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)])
         p = out.logits.new_zeros(B, K + 1, V)  # [B, K+1, V]
         q = out.logits.new_zeros(B, K, V)  # [B, K, V]
@@ -191,7 +214,10 @@ class Speculator:
                 u = torch.rand(k + 1, generator=generators.get(seq.seq_id))
                 u_accept[b, :k], u_final[b] = u[:k], u[k]
         accepted, final = speculative_sample(p, q, draft, torch.tensor(ks), u_accept, u_final)
-        accepted, final = accepted.tolist(), final.tolist()
+        return self._accepted(seqs, ks, accepted.tolist(), final.tolist())
+
+    def _accepted(self, seqs, ks: list[int], accepted: list[int], final: list[int]):
+        """Each chain's accepted prefix and its corrected / bonus token -> (emitted runs, rejected counts)."""
         emitted = [(s, s.draft_token_ids[:a] + [t]) for s, a, t in zip(seqs, accepted, final)]
         for seq, k, a in zip(seqs, ks, accepted):  # the pages the accepted run pushed out of the window
             if self.kv is not None:

@@ -76,3 +76,44 @@ def test_engine_traffic_reads_the_parameters_and_the_cache_format(one_thread):
     assert draft_pass(ngram.engine)(4, 100) == 0.0
     int8 = LLM(MODEL, quant="int8", block_size=16, kv_cache_memory="4MiB")
     assert BYTES_PER_TOKEN / 4 < sum(target_traffic(int8.engine).kv_bytes_per_token) < BYTES_PER_TOKEN / 2
+
+
+def test_timed_speedup_in_seconds_proportional_to_bytes_is_the_byte_prediction():
+    """With every part priced by its bytes (linear by weight bytes, attention by KV bytes, no overhead, a
+    verification's parts costing what a decode pass's do), the seconds model is the byte model."""
+    from kvlab.speculation.cost_model import PassTimes, timed_speedup
+
+    B, c, k, view, rate = 3, 20.0, 2, 4.0, 1e-3
+    times = PassTimes(T.weight_bytes() * rate, B * T.kv_bytes(c) * rate, 0.0, 0.0)
+    shares = (1.0, T.kv_bytes(c, view=view) / T.kv_bytes(c))
+    verify = T.kv_bytes(c + k) / T.kv_bytes(c)
+    assert verify > 1.0 and shares[1] < 1.0
+    want = run_speedup(T.pass_bytes(B, c), T.pass_bytes(B, c + k), T.pass_bytes(B, c, view=view), k, 2.5, 0.9)
+    assert timed_speedup(times, *shares, verify, k, 2.5, 0.9) == pytest.approx(want)
+
+
+def test_timed_speedup_prices_overheads_and_a_verifications_compute():
+    """Only a per-pass overhead: k + 1 passes emit E tokens (E / (k + 1)); a step overhead is paid once a round;
+    a verification whose attention costs twice a decode pass's, and a view's refresh, slow it down."""
+    from kvlab.speculation.cost_model import PassTimes, timed_speedup
+
+    only_passes = PassTimes(0.0, 0.0, 1.0, 0.0)
+    assert timed_speedup(only_passes, 1.0, 0.1, 1.0, 4, 3.0) == pytest.approx(3.0 / 5)
+    steps = PassTimes(0.0, 0.0, 1.0, 1.0)  # plain: 2; a round: 4 draft passes + a verification of 2
+    assert timed_speedup(steps, 1.0, 0.1, 1.0, 4, 3.0) == pytest.approx(3.0 * 2 / 6)
+    attention = PassTimes(1.0, 4.0, 0.0, 0.0, verify_attention=2.0)  # plain 5; draft 1 + 0.4; verify 1 + 8
+    assert timed_speedup(attention, 1.0, 0.1, 1.0, 2, 3.0) == pytest.approx(3.0 * 5 / (2 * 1.4 + 9))
+    assert timed_speedup(attention, 1.0, 0.1, 1.0, 2, 3.0, round_extra_s=1.0) == pytest.approx(3.0 * 5 / (2 * 1.4 + 10))
+    with pytest.raises(ValueError, match="verified_share"):
+        timed_speedup(attention, 1.0, 0.1, 1.0, 2, 3.0, verified_share=1.5)
+
+
+def test_pass_times_split_a_plain_step_into_its_parts():
+    from kvlab.speculation.pass_costs import pass_times
+
+    parts = {"step": 100.0, "verify: linear": 30.0, "verify: lm_head": 5.0, "verify: attention": 50.0,
+             "verify: plan": 1.0, "verify: forward rest": 9.0}
+    times = pass_times(parts, attention_ratio=2.0, linear_ratio=1.5)
+    assert times.plain() == pytest.approx(0.1) and times.step_overhead_s == pytest.approx(0.005)
+    assert (times.linear_s, times.attention_s, times.pass_overhead_s) == pytest.approx((0.035, 0.05, 0.01))
+    assert times.verify() == pytest.approx(0.035 * 1.5 + 0.05 * 2.0 + 0.015)

@@ -191,13 +191,13 @@ def test_the_copy_is_refreshed_by_position_and_reads_the_targets_queries(monkeyp
     points, windows = [], []
     select, token_select = SelfCompressedDraft._select, TokenView.select
 
-    def watched(self, seq, slot, g, table, P):
+    def watched(self, seq, slot, g, table, P, *rest):
         points.append((tuple(seq.token_ids[:seq.num_prompt_tokens]), P))
-        return select(self, seq, slot, g, table, P)
+        return select(self, seq, slot, g, table, P, *rest)
 
-    def seen(self, layer, keys, values, queries):
-        windows.append((keys.shape[0], None if queries is None else queries.shape[0]))
-        return token_select(self, layer, keys, values, queries)
+    def seen(self, layer, keys, values, queries, seq_len=None):
+        windows.append((keys.shape[0] if seq_len is None else seq_len, None if queries is None else queries.shape[0]))
+        return token_select(self, layer, keys, values, queries, seq_len)
 
     monkeypatch.setattr(SelfCompressedDraft, "_select", watched)
     monkeypatch.setattr(TokenView, "select", seen)
@@ -323,3 +323,64 @@ def test_a_prefix_hit_leaves_the_token_views_query_window_to_compute(view):
     stats, tail = llm.stats(), llm.engine.speculator.draft.prompt_query_tail()
     assert tail >= dargs["refresh"] - 1 + 8 and 0 < stats["prefix_hit_tokens"] <= len(prompt) - tail
     assert stats["spec_verifications"] > 0
+
+
+def test_candidates_are_the_kept_positions_then_every_one_since():
+    from kvlab.speculation.drafts.token_view import candidates
+
+    kept = torch.tensor([[0, 3, 5], [1, 2, 6]])  # [Hkv, S], all before since = 8
+    assert candidates(kept, 8, 11).tolist() == [[0, 3, 5, 8, 9, 10], [1, 2, 6, 8, 9, 10]]
+
+
+def test_a_kept_rescore_reads_the_candidates_only_and_a_static_score_keeps_a_best_set_of_all(monkeypatch):
+    """rescore `kept` (the default) scores the previous selection and the tokens since it, reading only those
+    from the target (after a sequence's first refresh), where `all` reads [0, P); with a score that depends on
+    each key alone (KNorm: keep the smallest key norms) the best `budget` of those candidates are a best `budget`
+    of [0, P) (ties aside: a norm is RoPE-invariant, so a repeated token ties in layer 0), checked against the
+    target's keys at every refresh, each KV head; outputs are plain decoding's either way."""
+    from kvlab.speculation.drafts.self_compressed import SelfCompressedDraft
+
+    knorm = {"policy": "knorm", "policy_args": {"budget": 24}, "num_tokens": 3, "refresh": 16}
+    select, read = SelfCompressedDraft._select, SelfCompressedDraft._read
+    reads, inside, checked = [], [], []
+
+    def watched(self, seq, slot, g, table, P, since=None):
+        reads.append((self.rescore, since, P, []))
+        inside.append(True)
+        n = select(self, seq, slot, g, table, P, since)
+        inside.pop()
+        for layer in self._bm.groups[g].layers:
+            norms = read(self, layer, table, range(P))[0].float().norm(dim=-1).T  # [Hkv, P]
+            for h, kept in enumerate(self._kept[(slot, layer)].tolist()):
+                dropped = sorted(set(range(P)) - set(kept))
+                assert len(kept) == min(P, 24)
+                assert not dropped or norms[h, kept].max() <= norms[h, dropped].min(), (P, layer, h)
+                checked.append(P)
+        return n
+
+    def counted(self, layer, table, tokens):
+        tokens = list(tokens)
+        if inside:  # a read of the selection (not of the tokens since it)
+            reads[-1][3].append(len(tokens))
+        return read(self, layer, table, tokens)
+
+    monkeypatch.setattr(SelfCompressedDraft, "_select", watched)
+    monkeypatch.setattr(SelfCompressedDraft, "_read", counted)
+    batch = long_prompts(3)
+    plain = LLM(MODEL, block_size=16, kv_cache_memory="4MiB").generate(
+        batch, SamplingParams(max_tokens=40, ignore_eos=True))
+    for rescore in ("all", "kept"):
+        outs, stats, _ = run({**knorm, "rescore": rescore}, batch, 40)
+        assert outs == [o.token_ids for o in plain] and stats["spec_verifications"] > 0
+    assert len([P for P in checked if P > 24]) > 12
+    merged = [(P, sizes) for rescore, since, P, sizes in reads if rescore == "kept" and since is not None]
+    assert merged, reads  # refreshes that merged (each sequence's after its first)
+    heads = 2  # llama-tiny's KV heads
+    for P, sizes in merged:  # the union of the heads' candidates: at most heads x budget + refresh, never P
+        assert sizes and all(n <= heads * 24 + 16 and n < P for n in sizes if P > heads * 24 + 16), (P, sizes)
+    assert all(max(sizes) == P for rescore, since, P, sizes in reads if rescore == "all" and sizes)
+
+
+def test_rescore_is_checked():
+    with pytest.raises(ValueError, match="rescore must be"):
+        DRAFTS.build("self_compressed", **{**SNAPKV, "rescore": "some"})

@@ -93,3 +93,37 @@ def test_ragged_rows_and_padding():
 def test_acceptance_histogram():
     tried, took = acceptance_histogram([0, 2, 3, 1], [3, 3, 3, 2])
     assert tried == [4, 3, 2] and took == [3, 2, 1]
+
+
+def test_greedy_accept_is_speculative_sampling_with_point_masses():
+    """The speculator's greedy fast path (argmax rows, no [B, k + 1, V] tensors) accepts and emits exactly what
+    speculative_sample does with point masses and u = 0, over random chains of mixed lengths (drafts that agree
+    with the argmax for a random prefix, then a random token)."""
+    from types import SimpleNamespace
+
+    from kvlab.speculation.speculator import greedy_accept
+
+    g = torch.Generator().manual_seed(7)
+    V = 11
+    for _ in range(50):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        ks = torch.randint(1, 5, (B,), generator=g).tolist()
+        logits = torch.randn(sum(k + 1 for k in ks), V, generator=g)  # [sum(k+1), V]
+        top = logits.argmax(dim=-1).tolist()
+        seqs, offset = [], 0
+        for k in ks:
+            agree = int(torch.randint(0, k + 1, (1,), generator=g))
+            drafts = top[offset:offset + agree] + torch.randint(0, V, (k - agree,), generator=g).tolist()
+            seqs.append(SimpleNamespace(draft_token_ids=drafts))
+            offset += k + 1
+        K = max(ks)
+        p, q = torch.zeros(B, K + 1, V), torch.zeros(B, K, V)
+        draft = torch.zeros(B, K, dtype=torch.int64)
+        offset = 0
+        for b, (seq, k) in enumerate(zip(seqs, ks)):
+            p[b, :k + 1] = point_masses(torch.tensor(top[offset:offset + k + 1]), V)
+            draft[b, :k] = torch.tensor(seq.draft_token_ids)
+            q[b, :k] = point_masses(draft[b, :k], V)
+            offset += k + 1
+        accepted, final = speculative_sample(p, q, draft, torch.tensor(ks), torch.zeros(B, K), torch.zeros(B))
+        assert greedy_accept(top, seqs) == (accepted.tolist(), final.tolist())

@@ -101,6 +101,9 @@ class DraftModel(ABC):
         """Figures of the draft's own for `llm.stats()` (e.g. the bytes of a view it keeps)."""
         return {}
 
+    def reset_stats(self) -> None:
+        """Zero the figures `stats` counts (the engine's reset_stats)."""
+
     def forget(self, seq_id: int) -> None:
         """Sequence `seq_id` finished or was aborted: drop whatever the draft keeps for it."""
 

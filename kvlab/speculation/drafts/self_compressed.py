@@ -29,11 +29,13 @@ selection (Quest) is refused with what is supported.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from kvlab.engine.lean_forward import lean_forward
 from kvlab.kernels.attention_plan import NULL_BLOCK
 from kvlab.registry import DRAFTS, POLICIES, QUANT_FORMATS
 from kvlab.sampler import draw, probabilities
@@ -41,7 +43,7 @@ from kvlab.speculation.drafts.base import DraftModel, Proposal
 from kvlab.speculation.drafts.layerskip import early_exit
 from kvlab.speculation.drafts.model import unsure as unsure_rows
 from kvlab.speculation.drafts.page_view import SUPPORTED, PageView, page_view
-from kvlab.speculation.drafts.token_view import QueryLog, TokenView, gather_heads
+from kvlab.speculation.drafts.token_view import QueryLog, TokenView, candidates, gather_heads
 from kvlab.speculation.drafts.view_copy import ViewCopy, copy_nbytes, keeps_rows
 
 
@@ -72,12 +74,15 @@ class SelfCompressedDraft(DraftModel):
     quant: str | None = None  # a quantised view (QuantSpec): a registered format the copy is stored in (int4: its
     # codes and scales, a fraction of the decoded copy's bytes); None: the target's values, decoded
     refresh: int = 64  # a copied view's selection is remade every `refresh` tokens of the sequence (by position)
+    rescore: str = "kept"  # a token view's refresh scores `kept`: the previous selection and the tokens since it
+    # (cost ~ budget + refresh); `all`: every token of [0, P) (cost ~ context; kvlab/speculation/drafts/token_view.py)
     max_batch: int = 16  # sequences drafted in one pass (the scratch, or the copy, holds this many)
 
     reads_target_cache: ClassVar[bool] = True  # capabilities: the draft reads the target's cache, writes none of it
     stops_on_confidence: ClassVar[bool] = True  # confidence_threshold (kvlab/speculation/draft_length.py)
 
     _view: PageView | TokenView | None = field(default=None, init=False, repr=False)
+    _refresh_s: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +92,8 @@ class SelfCompressedDraft(DraftModel):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"draft self_compressed: {key} must be an integer >= 1, got {value!r}")
+        if self.rescore not in ("kept", "all"):
+            raise ValueError(f"draft self_compressed: rescore must be 'kept' or 'all', got {self.rescore!r}")
         if self.quant is not None:
             QUANT_FORMATS.build(self.quant)  # an unknown format names the registered ones
         if not isinstance(self.policy_args, dict):
@@ -152,8 +159,10 @@ class SelfCompressedDraft(DraftModel):
         self._cache, self._bm, self._device = cache, bm, torch.device(engine.config.device)
         self._plan_view = engine.plan_view  # kvlab.engine.attention.plan_view (the engine lends it)
         self._copy = self._log = None
+        self._kept: dict[tuple[int, int], torch.Tensor] = {}  # (slot, layer) -> [Hkv, S] positions it last kept
         if self.copies(packed):
             self._build_copy(engine, dtype)
+        self._lean = getattr(getattr(engine, "runner", None), "lean", None)  # the lean forward (kvlab/engine/lean_forward.py); None: transformers'
         if self.layers is None:
             self._model = engine.model
             return
@@ -161,6 +170,7 @@ class SelfCompressedDraft(DraftModel):
             self._model = early_exit(engine.model, self.layers).eval()
         except ValueError as e:
             raise ValueError(str(e).replace("draft layerskip", "draft self_compressed")) from None
+        self._lean = lean_forward(self._model) if self._lean is not None else None
 
     def _build_copy(self, engine, dtype: torch.dtype) -> None:
         bm, mc = self._bm, engine.model.config
@@ -212,7 +222,11 @@ class SelfCompressedDraft(DraftModel):
     def stats(self) -> dict:
         copy = getattr(self, "_copy", None)
         return {"spec_view_bytes": copy.nbytes() if copy is not None else 0,
-                "spec_view_pages": copy.num_pages() if copy is not None else 0}
+                "spec_view_pages": copy.num_pages() if copy is not None else 0,
+                "spec_view_refresh_s": self._refresh_s}  # seconds spent selecting a copied view's tokens
+
+    def reset_stats(self) -> None:
+        self._refresh_s = 0.0
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, seqs, lengths, generators) -> list[Proposal]:
@@ -241,9 +255,13 @@ class SelfCompressedDraft(DraftModel):
             ids = [drafted[i][-1] if j else seqs[i].token_ids[-1] for i in active]
             positions = [seqs[i].num_tokens - 1 + j for i in active]  # the last committed token's, then its drafts'
             logits = self._forward(ids, positions, [views[i] for i in active], j)  # [len(active), V]
-            q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
             if self.confidence_threshold is not None:  # kvlab/speculation/draft_length.py
                 unsure |= unsure_rows(logits, active, self.confidence_threshold)
+            if all(seqs[i].params.greedy for i in active):  # point masses on the argmax: no [B, V] one-hot
+                for i, token in zip(active, logits.argmax(dim=-1).tolist()):
+                    drafted[i].append(token)
+                continue
+            q = probabilities(logits, [seqs[i].params for i in active])  # [len(active), V]
             for row, i in enumerate(active):
                 token = draw(q[row], seqs[i].params.greedy, generators[i])
                 if not seqs[i].params.greedy:
@@ -285,9 +303,14 @@ class SelfCompressedDraft(DraftModel):
                 P = start = max(0, c - group.sliding_window)
                 selected = 0
             else:
-                if copy.refreshed.get((slot, g)) != (seq.seq_id, P):
+                last = copy.refreshed.get((slot, g))
+                if last != (seq.seq_id, P):
+                    since = last[1] if self.rescore == "kept" and last and last[0] == seq.seq_id and last[1] < P \
+                        else None  # this sequence's previous refresh point, whose selection is still in the slot
                     copy.reset(slot, g)
-                    copy.selected[(slot, g)] = self._select(seq, slot, g, table, P)
+                    t0 = time.perf_counter()
+                    copy.selected[(slot, g)] = self._select(seq, slot, g, table, P, since)
+                    self._refresh_s += time.perf_counter() - t0
                     copy.refreshed[(slot, g)] = (seq.seq_id, P)
                 selected, start = copy.selected[(slot, g)], P
             length = self._copy_tokens(slot, g, table, range(start, c), selected)
@@ -295,8 +318,10 @@ class SelfCompressedDraft(DraftModel):
             out.append((copy.table(slot, g), length))
         return out
 
-    def _select(self, seq, slot: int, g: int, table: list[int], P: int) -> int:
-        """Write the view's selection of the target's tokens [0, P) of group `g` into `slot`; -> its length S."""
+    def _select(self, seq, slot: int, g: int, table: list[int], P: int, since: int | None = None) -> int:
+        """Write the view's selection of the target's tokens [0, P) of group `g` into `slot`; -> its length S.
+        `since`: the slot's previous refresh point for this sequence, whose kept positions are candidates with
+        [since, P) (rescore `kept`); None: every token of [0, P) is."""
         group, sizes, kv = self._bm.groups[g], set(), []
         if isinstance(self._view, PageView):
             bs = self._bm.block_size
@@ -304,10 +329,19 @@ class SelfCompressedDraft(DraftModel):
             tokens = [p * bs + t for p in pages for t in range(bs)] + list(range(P // bs * bs, P))
             return self._copy_tokens(slot, g, table, tokens, 0)
         for layer in group.layers:
-            keys, values = self._read(layer, table, range(P))  # [P, Hkv, D] each
             queries = self._log.window(seq.seq_id, layer, P, self._view.window) if self._log else None
-            idx = self._view.select(layer, keys, values, queries)  # [Hkv, S]
-            kv.append((gather_heads(keys, idx), gather_heads(values, idx)))  # [S, Hkv, D] each
+            kept = self._kept.get((slot, layer)) if since is not None else None
+            if kept is None:  # every token of [0, P)
+                keys, values = self._read(layer, table, range(P))  # [P, Hkv, D] each
+                pick = idx = self._view.select(layer, keys, values, queries)  # [Hkv, S] positions
+            else:  # the candidates: what was kept at `since`, then [since, P)
+                cand = candidates(kept, since, P)  # [Hkv, C] positions
+                where, local = torch.unique(cand, sorted=True, return_inverse=True)  # [U], [Hkv, C]
+                keys, values = (gather_heads(x, local) for x in self._read(layer, table, where.tolist()))  # [C, Hkv, D]
+                pick = self._view.select(layer, keys, values, queries, seq_len=P)  # [Hkv, S] candidate rows
+                idx = cand.gather(1, pick)  # [Hkv, S] positions
+            self._kept[(slot, layer)] = idx
+            kv.append((gather_heads(keys, pick), gather_heads(values, pick)))  # [S, Hkv, D] each
             sizes.add(idx.shape[1])
         if len(sizes) > 1:
             raise ValueError(f"draft self_compressed: policy {self.policy!r} keeps {sorted(sizes)} tokens in layers "
@@ -336,8 +370,13 @@ class SelfCompressedDraft(DraftModel):
         meta = self._plan_view([[v[g][0] for v in views] for g in range(len(self._bm.groups))],
                                [[v[g][1] + j + 1 for v in views] for g in range(len(self._bm.groups))],
                                self._bm, cache, dev)
-        B = len(ids)
-        out = self._model(input_ids=torch.tensor([ids], dtype=torch.int64, device=dev),
-                          position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
-                          use_cache=False, logits_to_keep=torch.arange(B, device=dev), kvlab_meta=meta)
-        return out.logits[0].float()
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [B]
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=dev)  # [B]
+        keep = torch.arange(len(ids), device=dev)  # [B]: every row's logits
+        # the lean forward runs the same ops as transformers' (the logits to the bit) without its module stack,
+        # which cost ~14 ms a pass (experiments/results/self_speculation_round_smollm2.md); None: a hooked model
+        logits = self._lean(input_ids, position_ids, keep, meta) if self._lean is not None else None
+        if logits is None:
+            logits = self._model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                                 logits_to_keep=keep, kvlab_meta=meta).logits[0]
+        return logits.float()  # [B, V]

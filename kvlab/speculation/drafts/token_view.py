@@ -17,6 +17,16 @@ What the policy's scores read:
   acceptance, never output), stated here.
 Where a prefix hit skipped computing a prompt's window, fewer queries are recorded: acceptance may then
 differ from a run without the hit.
+
+What a refresh rescores (the draft's `rescore`): `all` runs the policy over every token of [0, P), reading the
+whole context each refresh (at 4096 tokens x 16 sequences, ~1.2 s a refresh on two cores: more than the
+speculative round it serves). `kept` (the default) runs it over the candidates only: the tokens the view kept at
+the previous refresh point P' of the same sequence and the `refresh` tokens of [P', P) (`candidates`), read at
+their positions in the target's cache, so a refresh costs budget + refresh tokens, not the context. The policy
+then scores its window against those keys only (SnapKV's softmax over the candidates, its pooling over
+candidate neighbours) and a token it dropped never comes back, as in an eviction policy (H2O, StreamingLLM):
+a different view, hence a different acceptance, never a different output. The first refresh of a sequence (or
+one after its slot of the copy was lost) reads all of [0, P).
 """
 
 from __future__ import annotations
@@ -65,15 +75,23 @@ class TokenView:
         return max(w, STATS_WINDOW) if self.policy.needs_attention_stats else w
 
     def select(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-               queries: torch.Tensor | None) -> torch.Tensor:
-        """keys/values [P, Hkv, D] of [0, P), queries [W, Hq, D] of the latest W of them -> [Hkv, S] indices."""
+               queries: torch.Tensor | None, seq_len: int | None = None) -> torch.Tensor:
+        """keys/values [P, Hkv, D] of [0, P), queries [W, Hq, D] of the latest W of them -> [Hkv, S] indices.
+        `seq_len`: the sequence's P where keys/values are candidates only (`candidates`), in position order."""
         P, Hkv, _ = keys.shape
-        self.policy.begin(P)
+        self.policy.begin(P if seq_len is None else seq_len)
         stats = window_mass(queries, keys) if self.policy.needs_attention_stats and queries is not None else None
         if self.policy.query_window == 0:
             queries = None
         kept = self.policy.select(layer, self.num_layers, keys, values, queries, stats)
         return indices(kept, P, Hkv)
+
+
+def candidates(kept: torch.Tensor, since: int, P: int) -> torch.Tensor:
+    """A refresh that rescores only what it can keep: the positions each KV head kept at the last refresh point
+    (kept [Hkv, S], sorted, all < since) and every position of [since, P) -> [Hkv, S + P - since], sorted."""
+    new = torch.arange(since, P, dtype=kept.dtype).expand(kept.shape[0], P - since)  # [Hkv, P - since]
+    return torch.cat([kept, new], dim=1)
 
 
 @dataclass
