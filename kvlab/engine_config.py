@@ -110,10 +110,9 @@ class EngineConfig:
     # who computes the linear layers (kvlab/engine/linear_backend.py): torch (F.linear); cpu runs kvlab's CPU kernel for
     # passes of <= 256 rows (decode, verification: each weight read once for the batch; every pass under
     # batch_invariant), torch for longer prefill chunks. cpu needs device cpu; without a compiler or AVX-512 it warns
-    # once and runs torch. auto: cpu on the CPU, torch on other devices. torch by default (auto is the candidate default:
-    # faster in all 8 cells of experiments/results/decode_roof_smollm2_linear_quiet.md; to switch once the full suite
-    # has passed with it)
-    linear_backend: Literal["auto", "torch", "cpu"] = "torch"
+    # once and runs torch. auto (the default): cpu on the CPU, torch on other devices
+    # (faster than torch in all 8 cells of experiments/results/decode_roof_smollm2_linear_quiet.md, 1.3-2.3x)
+    linear_backend: Literal["auto", "torch", "cpu"] = "auto"
 
     def __post_init__(self) -> None:
         for name in DICT_ARGS:

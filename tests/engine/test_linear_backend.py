@@ -44,7 +44,7 @@ def generate(fresh_model, name, dtype, **engine) -> list[list[int]]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["none", "auto"])
 def test_the_engine_generates_what_the_torch_backend_does(fresh_model, monkeypatch, name, dtype, layout):
-    want = generate(fresh_model, name, dtype, linear_layout=layout)
+    want = generate(fresh_model, name, dtype, linear_layout=layout, linear_backend="torch")
     rows = count_kernel_rows(monkeypatch)
     got = generate(fresh_model, name, dtype, linear_layout=layout, linear_backend="cpu")
     assert got == want
@@ -57,7 +57,7 @@ def test_the_model_is_restored_and_reused_models_follow_each_engine(fresh_model)
     LLM("random:llama-tiny", loaded=loaded, kv_cache_memory="4MiB", linear_backend="cpu", linear_layout="auto")
     assert lb.backend_of(loaded.model) == "cpu" and layout_of(loaded.model) == "auto"
     names = set(loaded.model.state_dict())
-    LLM("random:llama-tiny", loaded=loaded, kv_cache_memory="4MiB")
+    LLM("random:llama-tiny", loaded=loaded, kv_cache_memory="4MiB", linear_backend="torch")
     assert lb.backend_of(loaded.model) == "torch" and layout_of(loaded.model) == "none"
     assert set(loaded.model.state_dict()) == names  # the wrapper kept the parameters' names
     assert not any(isinstance(m, lb.SmallBatchLinear) for m in loaded.model.modules())
