@@ -43,6 +43,11 @@ class ModelRunner:
         # transformers' forward without its module stack, same ops (kvlab/engine/lean_forward.py); None: not this model
         self.lean = None if batch_invariant else lean_forward(model)
 
+    def lean_for(self, model: torch.nn.Module):
+        """The lean forward of another model that runs beside this one (a draft's early exit over the same
+        layers), or None where this runner runs transformers' forward (batch-invariant mode, a model it cannot take)."""
+        return None if self.lean is None else lean_forward(model)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, query_rows: list[int] | None = None, stats: bool = False) -> StepOutput:
         """One forward pass; `query_rows[i]`: keep the queries of the last that many tokens of

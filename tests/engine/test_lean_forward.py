@@ -66,7 +66,8 @@ def test_a_later_layout_or_backend_is_followed(fresh_model, monkeypatch):
     the lean forward runs the fused products on the kernel."""
     from kvlab.engine import linear_backend as lb
 
-    llm = LLM("random:llama-tiny", loaded=fresh_model("random:llama-tiny"), kv_cache_memory="4MiB")
+    llm = LLM("random:llama-tiny", loaded=fresh_model("random:llama-tiny"), kv_cache_memory="4MiB",
+              linear_backend="torch")
     seen, kernel = [], cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda x, *a, **k: seen.append(x.shape[-1]) or kernel(x, *a, **k))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -35,7 +35,6 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.engine.lean_forward import lean_forward
 from kvlab.kernels.attention_plan import NULL_BLOCK
 from kvlab.registry import DRAFTS, POLICIES, QUANT_FORMATS
 from kvlab.sampler import draw, probabilities
@@ -162,7 +161,8 @@ class SelfCompressedDraft(DraftModel):
         self._kept: dict[tuple[int, int], torch.Tensor] = {}  # (slot, layer) -> [Hkv, S] positions it last kept
         if self.copies(packed):
             self._build_copy(engine, dtype)
-        self._lean = getattr(getattr(engine, "runner", None), "lean", None)  # the lean forward (kvlab/engine/lean_forward.py); None: transformers'
+        runner = getattr(engine, "runner", None)
+        self._lean = getattr(runner, "lean", None)  # the runner's lean forward (kvlab/engine/lean_forward.py); None: transformers'
         if self.layers is None:
             self._model = engine.model
             return
@@ -170,7 +170,7 @@ class SelfCompressedDraft(DraftModel):
             self._model = early_exit(engine.model, self.layers).eval()
         except ValueError as e:
             raise ValueError(str(e).replace("draft layerskip", "draft self_compressed")) from None
-        self._lean = lean_forward(self._model) if self._lean is not None else None
+        self._lean = runner.lean_for(self._model) if self._lean is not None else None
 
     def _build_copy(self, engine, dtype: torch.dtype) -> None:
         bm, mc = self._bm, engine.model.config
