@@ -14,9 +14,9 @@ Each cell is one of
 
 In parts (`--only`: the pairs whose two kinds are both listed), then one table of them all (a pair in two parts
 counted once, in the order of a whole run), each part's command, date and load average quoted:
-    python experiments/composition_matrix.py --only draft,quant,prefix,samples,allocator --out /tmp/parts/rest
-    python experiments/composition_matrix.py --only policy,draft --out /tmp/parts/policy_draft   # ... and so on
-    python experiments/composition_matrix.py --merge /tmp/parts/*.json --out experiments/results/composition_matrix
+    python experiments/composition_matrix.py --only draft,quant,prefix,samples,allocator --out parts/rest
+    python experiments/composition_matrix.py --only policy,draft --out parts/policy_draft   # ... and so on
+    python experiments/composition_matrix.py --merge parts/*.json --out experiments/results/composition_matrix
 """
 
 from __future__ import annotations

@@ -33,6 +33,11 @@ LAYER_OPS_ABI_VERSION = 1  # kvlab_layer_ops_abi_version() of layer_ops.cpp
 EXTRA_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # per source stem: layer_ops.cpp keeps torch's separate roundings
 
 
+def enabled() -> bool:
+    """kvlab's CPU kernels run unless KVLAB_CPU_KERNELS=0 (read on every call; every launcher asks this one)."""
+    return os.environ.get("KVLAB_CPU_KERNELS", "1") != "0"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("KVLAB_CPU_KERNEL_CACHE") or Path.home() / ".cache" / "kvlab" / "cpu_kernels")
 

@@ -33,7 +33,6 @@ row_attention (token-time reads of a residual window), not this kernel.
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,7 +40,7 @@ from functools import lru_cache
 import torch
 
 from kvlab.kernels.attention_plan import AttentionPlan, memo, plan_paged_attention
-from kvlab.kernels.cpu.build import load_library
+from kvlab.kernels.cpu.build import enabled, load_library
 from kvlab.kernels.reference import paged_attention as _ref
 
 CHUNK_KEYS = 256  # keys per work unit (Flash-Decoding split), fixed so a row's reduction order is its own
@@ -64,11 +63,6 @@ class _Side(ctypes.Structure):
         ("res", ctypes.c_void_p), ("row_of", ctypes.c_void_p), ("lease", ctypes.c_void_p),
         ("res_k", ctypes.c_int64), ("res_chunk", ctypes.c_int64), ("fp8", ctypes.c_int32),
     ]
-
-
-def enabled() -> bool:
-    """The kernel runs unless KVLAB_CPU_KERNELS=0 (read on every call)."""
-    return os.environ.get("KVLAB_CPU_KERNELS", "1") != "0"
 
 
 @lru_cache(maxsize=None)

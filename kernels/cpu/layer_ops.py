@@ -18,12 +18,11 @@ get_cpu_capability()`), and only after a probe at first use found it equal to th
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 
 import torch
 
-from kvlab.kernels.cpu.build import load_layer_ops_library
+from kvlab.kernels.cpu.build import enabled, load_layer_ops_library
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -53,11 +52,6 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 # -- the kernel --------------------------------------------------------------------------------------------
-def enabled() -> bool:
-    """The kernel runs unless KVLAB_CPU_KERNELS=0 (read on every call)."""
-    return os.environ.get("KVLAB_CPU_KERNELS", "1") != "0"
-
-
 @lru_cache(maxsize=None)
 def _kernels():
     lib = load_layer_ops_library()

@@ -17,14 +17,13 @@ devices, bf16 x over an fp32 weight, autograd).
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from kvlab.kernels.cpu.build import load_linear_library
+from kvlab.kernels.cpu.build import enabled, load_linear_library
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 BLOCK = 64  # output rows per packed block (OB in linear.cpp)
@@ -58,11 +57,6 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     else:
         raise ValueError(f"pack: the kernel reads float32 or bfloat16 weights, got {weight.dtype}")
     return PackedWeight(data, n, k)
-
-
-def enabled() -> bool:
-    """The kernel runs unless KVLAB_CPU_KERNELS=0 (read on every call)."""
-    return os.environ.get("KVLAB_CPU_KERNELS", "1") != "0"
 
 
 @lru_cache(maxsize=None)
