@@ -57,7 +57,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("draft", "draft"),
            ("kv_over_weights", "KV/W"), ("plain_tok_s", "plain decode tok/s"), ("spec_tok_s", "draft decode tok/s"),
            ("speedup", "measured speed-up"), ("predicted_time", "predicted (bytes + compute)"),
-           ("predicted", "predicted (memory traffic)"),
+           ("predicted", "predicted (memory traffic)"), ("ceiling", "at the roof (measured E)"),
+           ("ceiling_all", "at the roof, all accepted"),
            ("acceptance", "acceptance a"), ("accepted_len", "tokens per verification"),
            ("drafted_len", "drafted per verification"), ("identical", "outputs identical"), ("load", "load 1-min")]
 HF_COLUMNS = [("dtype", "dtype"), ("ctx", "context"), ("batch", "batch"), ("hf", "Hugging Face generate"),
@@ -465,6 +466,84 @@ def partial_cell(path: Path, finished: list[dict]) -> dict:
             if same else 0, "workload": same[0].get("workload") if same else None}
 
 
+def model_shape(model: str, dtype: str, cell: dict):
+    """kvlab/speculation/roofline.py's ModelShape of `model` in `dtype`, from its config and the cell's bytes; and
+    (layers, one decoder layer's parameters, the head's, KV heads, head_dim)."""
+    from kvlab.models import model_config
+    from kvlab.speculation.roofline import ModelShape
+
+    mc = model_config(model)
+    dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    hq, hkv, h, layers = mc.num_attention_heads, mc.num_key_value_heads, mc.hidden_size, mc.num_hidden_layers
+    per_layer = h * (2 * hq * dim + 2 * hkv * dim) + 3 * h * mc.intermediate_size  # q, o, k, v; gate, up, down
+    head = mc.vocab_size * h
+    elem = 4 if dtype == "fp32" else 2
+    shape = ModelShape(cell["weight_bytes"], layers * per_layer + head, cell["kv_bytes_per_token"],
+                       4.0 * dim * hq * layers)
+    return shape, (layers, per_layer, head, hkv, dim, elem)
+
+
+def draft_reads(cell_args, label: str, dtype: str, parts):
+    """DraftReads of the kvlab draft `label` as the cell's command built it (draft_spec); None where the ceiling
+    has no model of it (a draft model other than the target)."""
+    from kvlab.registry import QUANT_FORMATS
+    from kvlab.speculation.roofline import DraftReads
+
+    keys = {draft_spec(cell_args, k)[0]: k for k in cell_args.drafts if not k.startswith("hf_")}
+    key = keys.get(label)
+    layers, per_layer, head, hkv, dim, _ = parts
+    if key is None:
+        return None
+    if key == "ngram":
+        return DraftReads(free=True)
+    if key.startswith("streaming"):
+        return DraftReads(view_tokens=cell_args.budget)
+    if key == "snapkv":
+        return DraftReads(view_tokens=cell_args.snapkv_budget + (cell_args.snapkv_refresh - 1) / 2)
+    if key == "int4":
+        import torch
+
+        per_token = QUANT_FORMATS.build("int4").bytes_per_token(hkv, dim, 16, getattr(torch, DTYPES[dtype]))
+        return DraftReads(view_tokens=cell_args.int4_budget, kv_bytes_per_token=per_token * layers)
+    if key == "layerskip":
+        share = cell_args.layers / layers
+        return DraftReads(weight_share=(cell_args.layers * per_layer + head) / (layers * per_layer + head),
+                          layer_share=share)
+    if key == "model" and (cell_args.draft_model or cell_args.model) == cell_args.model:
+        return DraftReads()
+    return None
+
+
+def ceilings(data: list[dict], machines: dict) -> None:
+    """Each row's speed-up with every pass at this machine's roof (kvlab/speculation/roofline.py), at its measured
+    tokens per verification and with every draft accepted: the rows' `ceiling`, `ceiling_all`."""
+    import shlex
+
+    from kvlab.speculation.roofline import ceiling_speedup
+
+    for cell in data:
+        if cell["dtype"] not in machines or not cell.get("weight_bytes"):
+            continue
+        if "args" in cell:
+            cargs = argparse.Namespace(**cell["args"])
+        elif "--cell" in cell.get("command", ""):  # a cell from before the args were kept: its command line
+            cargs = parse_args(shlex.split(cell["command"])[2:])
+        else:
+            continue
+        shape, parts = model_shape(cell.get("model") or cargs.model, cell["dtype"], cell)
+        m, batch = machines[cell["dtype"]], cell["batch"]
+        c = cell["prompt_tokens"] + cargs.max_tokens / 2
+        for row in cell["rows"]:
+            reads = draft_reads(cargs, row["draft"], cell["dtype"], parts)
+            last = row["runs"][-1] if row.get("runs") else None
+            if reads is None or last is None or not last["verifications"]:
+                continue
+            k, emitted = row["drafted_len"], row["accepted_len"]
+            share = min(1.0, emitted * last["verifications"] / (batch * (cargs.max_tokens - 1)))
+            row["ceiling"] = ceiling_speedup(shape, m, reads, batch, c, k, emitted, share)
+            row["ceiling_all"] = ceiling_speedup(shape, m, reads, batch, c, k, k + 1.0)
+
+
 def aggregate(args) -> str:
     from kvlab.study.loggers.local import write_report
 
@@ -474,6 +553,16 @@ def aggregate(args) -> str:
     data += [partial_cell(p, data) for p in sorted(Path(f"{args.out}.cells").glob("*.partial"))
              if not p.with_suffix(".json").exists()]
     data.sort(key=lambda d: (list(DTYPES).index(d["dtype"]), d["ctx"], d["batch"]))
+    machines = {}
+    if args.ceiling:
+        import torch
+
+        from kvlab.study.machine_ceiling import describe, measure_machine
+
+        torch.set_num_threads(args.threads)
+        machines = {d: measure_machine(getattr(torch, DTYPES[d]), args.ceiling_mib)
+                    for d in sorted({c["dtype"] for c in data})}
+        ceilings(data, machines)
     rows = [r for d in data for r in d["rows"]]
     hf = [r for d in data for r in d.get("hf", [])]
     skipped = [f"{d['dtype']},{d['ctx']},{d['batch']}: {', '.join(d['skipped'])}" for d in data if d.get("skipped")]
@@ -503,6 +592,13 @@ def aggregate(args) -> str:
         "compute one prices each pass in seconds from the plain engine's measured step parts, the verification "
         "pass's measured attention and linear costs over a decode pass's, and the view's measured refresh time "
         "(the script's docstring).", "",
+        *([f"The roof columns price every pass at this machine's limits, measured by the aggregation now "
+           f"({'; '.join(f'{d}: {describe(m)}' for d, m in machines.items())}; kvlab/study/machine_ceiling.py, best of "
+           f"repeats, {args.threads} threads): each part of a pass costs the larger of its bytes over the bandwidth "
+           f"and its FLOPs over the FLOP rate, a verification B (k + 1) rows and k + 1 queries a sequence "
+           f"(kvlab/speculation/roofline.py). 'measured E' uses the row's tokens per verification and drafts per "
+           f"verification; 'all accepted' every draft accepted: no draft of that cost does better on this machine "
+           f"with passes at the roof.", ""] if machines else []),
         *([f"Outputs not identical (NO) in bf16 rows: a verification pass (k + 1 rows a sequence) rounds "
            f"differently from a plain one-row pass, and a bf16 cache stores those last bits: the declared deviation "
            f"'a rounding format under a changing schedule' (docs/design.md); batch_invariant=True makes it exact, "
@@ -521,7 +617,7 @@ def main(argv=None) -> dict | None:
         if dtype not in DTYPES:
             raise SystemExit(f"--cell: dtype must be one of {list(DTYPES)}, got {dtype!r}")
         result = run_cell(args, dtype, int(ctx), int(batch))
-        result.update(command=metadata(args)["command"], model=args.model)
+        result.update(command=metadata(args)["command"], model=args.model, args=vars(args))
         path = cell_file(args, dtype, int(ctx), int(batch))
         path.parent.mkdir(parents=True, exist_ok=True)
         from kvlab.study.loggers.local import to_json
@@ -575,6 +671,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after the timed rounds, one run of each engine with timers around its parts "
                         "(kvlab/study/round_profile.py): the cell file's `profile`, a table on stdout")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                   help="--aggregate: leave out the roof columns (they measure the machine: ~30 s, quiet cores)")
+    p.add_argument("--ceiling-mib", type=int, default=1024, help="MiB of random data the bandwidth reads")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="prefill chunk cap (the reference attention's score matrix grows with the chunk)")
     p.add_argument("--kv-memory", default=None, help="KV pool per engine (default: what the cell needs)")

@@ -137,6 +137,16 @@ def random_config(shape: str):
     return AutoConfig.for_model(params.pop("model_type", "llama"), **params)
 
 
+def model_config(name: str):
+    """The transformers config of a model `load_model` takes, without its weights."""
+    from transformers import AutoConfig
+
+    if name.startswith("random:"):
+        return random_config(name.split(":", 1)[1])
+    folder = resolve(name)
+    return AutoConfig.from_pretrained(str(folder) if folder is not None else name)
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
                seed: int = 0) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -26,7 +26,7 @@ def test_cells_then_the_aggregate_table(tmp_path, one_thread):
     common = [*TINY, "--max-tokens", "8", "--drafts", "streaming", "ngram", "--out", out]
     for cell in ("fp32,48,1", "bf16,48,2"):
         main(["--cell", cell, *common])
-    main(["--aggregate", *common])
+    main(["--aggregate", *common, "--ceiling-mib", "8"])
     data = json.loads((tmp_path / "regime.json").read_text())["cells"]
     assert [(d["dtype"], d["ctx"], d["batch"]) for d in data] == [("fp32", 48, 1), ("bf16", 48, 2)]
     assert data[1]["kv_bytes_per_token"] == pytest.approx(data[0]["kv_bytes_per_token"] / 2)  # the cache in bf16
@@ -40,6 +40,8 @@ def test_cells_then_the_aggregate_table(tmp_path, one_thread):
             assert f"| {d['dtype']} | 48 | {d['batch']} | {r['draft']} | {fmt(r['kv_over_weights'])} |" in md
         sc = d["rows"][0]
         assert sc["runs"][0]["verifications"] > 0 and sc["drafted_len"] > 1
+        assert 0 < sc["ceiling"] <= sc["ceiling_all"]  # the roof columns: fewer accepted drafts never pay more
+    assert "The roof columns price every pass" in md and "GFLOP/s" in md
     with pytest.raises(SystemExit):
         main(["--cell", "fp16,48,1", *common])
 
@@ -74,3 +76,33 @@ def test_every_draft_mode_and_the_hugging_face_rows_at_batch_1(tmp_path, one_thr
                 "layerskip", "model", "hf_early_exit", "--out", out])
     assert big["skipped"] == ["layerskip", "model"] and big["hf"] == []  # no copy of every context; HF at batch 1
     assert [r["draft"] for r in big["rows"]] == ["ngram"]
+
+
+def test_the_roof_columns_price_each_draft_as_its_command_built_it(tmp_path, one_thread):
+    """ceilings() reads each cell's command back: the view's budget, the int4 copy's bytes, an early exit's layers
+    (a wrong budget or a draft taken for another changes the figure)."""
+    from bench_self_speculation_regime import ceilings, draft_reads, main, model_shape, parse_args
+
+    from kvlab.speculation.roofline import DraftReads, Machine, ceiling_speedup
+
+    out = str(tmp_path / "roof")
+    d = main(["--cell", "fp32,48,2", *TINY, "--max-tokens", "6", "--int4-budget", "32", "--layers", "1",
+              "--drafts", "streaming", "int4", "layerskip", "ngram", "--out", out])
+    cell = json.loads((tmp_path / "roof.cells" / "fp32_48_2.json").read_text())
+    m = Machine(40e9, 150e9, 150e9)
+    ceilings([cell], {"fp32": m})
+    cargs = parse_args(["--cell", "fp32,48,2", *TINY, "--max-tokens", "6", "--int4-budget", "32", "--layers", "1",
+                        "--drafts", "streaming", "int4", "layerskip", "ngram", "--out", out])
+    assert vars(cargs) == cell["args"]
+    shape, parts = model_shape("random:llama-tiny", "fp32", cell)
+    c = cell["prompt_tokens"] + 3
+    reads = {r["draft"]: draft_reads(cargs, r["draft"], "fp32", parts) for r in cell["rows"]}
+    assert reads["self_compressed(streaming_llm 32)"] == DraftReads(view_tokens=32)
+    int4 = reads["self_compressed(streaming_llm 32, int4, refresh 64)"]
+    # 4-bit codes and their scales, every layer: between an eighth and a quarter of the fp32 cache's bytes a token
+    assert int4.view_tokens == 32 and cell["kv_bytes_per_token"] / 8 < int4.kv_bytes_per_token < cell["kv_bytes_per_token"] / 4
+    assert reads["layerskip(1 layers)"].layer_share == 0.5 and reads["ngram"].free
+    for r in cell["rows"]:
+        k = r["drafted_len"]
+        assert r["ceiling_all"] == pytest.approx(ceiling_speedup(shape, m, reads[r["draft"]], 2, c, k, k + 1.0))
+    assert len(d["rows"]) == 4
